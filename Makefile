@@ -1,0 +1,51 @@
+# Front door of the K3 DSpark ROCm patch stack. The logic lives in scripts/
+# (python3 -m scripts <command>); see README.md.
+
+PYTHON ?= python3
+STACK  := $(PYTHON) -m scripts
+
+.PHONY: help apply patches rebase overlay install-overlay build test check lock clean fetch
+
+help:
+	@echo "make apply      fetch pinned vLLM, apply patches/series -> build/vllm, vllm_overlay/"
+	@echo "make test       build .venv (if needed) and run every test suite"
+	@echo "make check      fast self-check of the stack (no venv)"
+	@echo "make patches    export build/vllm's commits back to patches/ (maintainers)"
+	@echo "make rebase VLLM_VERSION=x.y.z   move the stack to another vLLM release"
+	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
+	@echo "make build | lock | fetch | clean"
+
+apply:
+	$(STACK) apply
+
+patches:
+	$(STACK) patches
+
+rebase:
+	@test -n "$(VLLM_VERSION)" || { echo "usage: make rebase VLLM_VERSION=x.y.z"; exit 2; }
+	$(STACK) rebase $(VLLM_VERSION)
+
+overlay:
+	$(STACK) overlay
+
+install-overlay:
+	@test -n "$(TARGET)" || { echo "usage: make install-overlay TARGET=<folder containing vllm/>"; exit 2; }
+	$(STACK) install-overlay $(TARGET)
+
+build: apply
+	$(STACK) build
+
+test: build
+	$(STACK) test
+
+check:
+	$(STACK) check
+
+lock:
+	$(STACK) lock
+
+fetch:
+	$(STACK) fetch
+
+clean:
+	$(STACK) clean

@@ -1,0 +1,121 @@
+"""Paths, errors and subprocess helpers shared by the stack tooling."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+# Files the prebuilt kernels of the pinned wheel are compiled from, plus the
+# build definition. Touching them would make the python-only build invalid.
+FORBIDDEN_PATHS = ("csrc/", "cmake/", "CMakeLists.txt", "pyproject.toml",
+                   "vllm/_custom_ops.py")
+
+
+class StackError(Exception):
+    """An error the user can act on. The message names the file and the next step."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the tooling reads and writes. Tests point it at a temporary project."""
+
+    root: Path
+
+    @classmethod
+    def default(cls) -> Layout:
+        return cls(Path(os.environ.get("K3_PROJECT_ROOT", PROJECT_ROOT)))
+
+    @property
+    def pin_file(self) -> Path:
+        return self.root / "pin.toml"
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    @property
+    def series_file(self) -> Path:
+        return self.patches_dir / "series"
+
+    @property
+    def overlay_dir(self) -> Path:
+        return self.root / "vllm_overlay"
+
+    @property
+    def cache_dir(self) -> Path:
+        # Survives `make clean`; K3_CACHE_DIR lets several clones share one.
+        return Path(os.environ.get("K3_CACHE_DIR", self.root / ".cache"))
+
+    @property
+    def downloads_dir(self) -> Path:
+        return self.cache_dir / "downloads"
+
+    @property
+    def quarantine_dir(self) -> Path:
+        return self.cache_dir / "quarantine"
+
+    @property
+    def build_dir(self) -> Path:
+        return self.root / "build"
+
+    @property
+    def tree(self) -> Path:
+        """The patched vLLM source tree (a git repository)."""
+        return self.build_dir / "vllm"
+
+    @property
+    def venv(self) -> Path:
+        return self.root / ".venv"
+
+
+def rel(path: Path, layout: Layout | None = None) -> str:
+    """A path as the user would type it from the project root."""
+    root = (layout or Layout.default()).root
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def run(
+    cmd: list[str],
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    input: str | bytes | None = None,
+    text: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run a command, capturing its output; raise StackError with it on failure."""
+    full_env = None
+    if env is not None:
+        full_env = {**os.environ, **env}
+    result = subprocess.run(
+        cmd,
+        cwd=cwd,
+        env=full_env,
+        input=input,
+        capture_output=True,
+        text=text,
+    )
+    if check and result.returncode != 0:
+        err = result.stderr if text else result.stderr.decode(errors="replace")
+        out = result.stdout if text else result.stdout.decode(errors="replace")
+        raise StackError(
+            f"command failed ({result.returncode}): {' '.join(cmd)}\n"
+            f"{(err or out).strip()}"
+        )
+    return result

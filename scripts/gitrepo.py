@@ -1,0 +1,159 @@
+"""The git repository in build/vllm: pristine release commit plus one commit per patch.
+
+All commits the tooling makes use a fixed identity and dates taken from the
+patches (or the release), so the same inputs always give the same commit ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from scripts.common import Layout, StackError, rel, run, say
+from scripts.pin import Pin
+
+BRANCH = "stack"
+TOOL_IDENTITY = {
+    "GIT_COMMITTER_NAME": "vLLM patch stack",
+    "GIT_COMMITTER_EMAIL": "patch-stack@vllm.invalid",
+}
+RELEASE_AUTHOR = {
+    "GIT_AUTHOR_NAME": "vLLM release",
+    "GIT_AUTHOR_EMAIL": "release@vllm.invalid",
+}
+# Build outputs of a python-only install; never part of the tree's history.
+_EXCLUDES = """\
+*.so
+*.egg-info/
+__pycache__/
+*.py[cod]
+/build/
+/.deps/
+.pytest_cache/
+"""
+# Packaging metadata of the sdist, not source.
+_SKIP_FROM_RELEASE = ("vllm.egg-info",)
+
+
+def git(tree: Path, *args: str, env: dict | None = None, check: bool = True,
+        input: str | None = None):
+    return run(["git", "-C", str(tree), *args], env=env, check=check, input=input)
+
+
+def state_path(tree: Path) -> Path:
+    return tree / ".git" / "k3-stack.json"
+
+
+def read_state(tree: Path) -> dict:
+    try:
+        return json.loads(state_path(tree).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def write_state(tree: Path, **updates) -> None:
+    state = {**read_state(tree), **updates}
+    tmp = state_path(tree).with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, state_path(tree))
+
+
+def is_stack_repo(tree: Path) -> bool:
+    return (tree / ".git").is_dir() and state_path(tree).exists()
+
+
+def safe_members(archive: tarfile.TarFile, archive_name: str) -> list[tarfile.TarInfo]:
+    """The archive's members, each checked to stay inside the single top folder."""
+    members = archive.getmembers()
+    top = None
+    for m in members:
+        path = PurePosixPath(m.name)
+        if path.is_absolute() or ".." in path.parts or not path.parts:
+            raise StackError(f"{archive_name}: member {m.name!r} would be written "
+                             "outside the target folder; refusing to unpack")
+        if top is None:
+            top = path.parts[0]
+        if path.parts[0] != top:
+            raise StackError(f"{archive_name}: members outside the top folder {top!r}")
+        if m.issym() or m.islnk():
+            target = PurePosixPath(m.linkname)
+            resolved = (path.parent / target) if m.issym() else target
+            if target.is_absolute() or ".." in PurePosixPath(
+                    os.path.normpath(str(resolved))).parts:
+                raise StackError(f"{archive_name}: link {m.name!r} -> {m.linkname!r} "
+                                 "points outside the target folder; refusing to unpack")
+        elif not (m.isfile() or m.isdir()):
+            raise StackError(f"{archive_name}: member {m.name!r} is not a plain file")
+    return members
+
+
+def unpack_release(sdist: Path, dest: Path) -> int:
+    """Unpack the sdist's single top folder into `dest`; return the newest mtime."""
+    with tarfile.open(sdist) as archive:
+        members = safe_members(archive, sdist.name)
+        top = PurePosixPath(members[0].name).parts[0]
+        newest = 0
+        for m in members:
+            parts = PurePosixPath(m.name).parts[1:]
+            if not parts or parts[0] in _SKIP_FROM_RELEASE:
+                continue
+            m.name = str(PurePosixPath(*parts))
+            newest = max(newest, int(m.mtime))
+            archive.extract(m, dest, filter="data")
+    if not (dest / "vllm").is_dir():
+        raise StackError(f"{sdist.name}: no vllm/ package under {top}/")
+    return newest
+
+
+def create_base(layout: Layout, pin: Pin, sdist: Path, dest: Path | None = None) -> None:
+    """Make `dest` (build/vllm) a git repo whose first commit is the pristine release."""
+    dest = dest or layout.tree
+    layout.build_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".vllm-unpacking-", dir=layout.build_dir))
+    try:
+        say(f"unpacking {sdist.name} into {rel(dest, layout)}")
+        newest = unpack_release(sdist, tmp)
+        git(tmp, "init", "-q", "-b", BRANCH)
+        (tmp / ".git" / "info" / "exclude").write_text(_EXCLUDES)
+        git(tmp, "add", "-A", "-f")
+        date = f"{newest} +0000"
+        env = {**RELEASE_AUTHOR, **TOOL_IDENTITY,
+               "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+        git(tmp, "-c", "commit.gpgsign=false", "commit", "-q", "--no-verify",
+            "-m", f"vLLM {pin.version} release\n\nUnpacked from {pin.sdist.filename} "
+            f"(sha256 {pin.sdist.sha256}), upstream commit {pin.commit}.", env=env)
+        git(tmp, "tag", pin.base_tag)
+        head = git(tmp, "rev-parse", "HEAD").stdout.strip()
+        write_state(tmp, base_sdist_sha256=pin.sdist.sha256, base_tag=pin.base_tag,
+                    base_commit=head, status="base")
+        # Only a complete repository ever appears at build/vllm.
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def head(tree: Path) -> str:
+    return git(tree, "rev-parse", "HEAD").stdout.strip()
+
+
+def am_in_progress(tree: Path) -> bool:
+    return (tree / ".git" / "rebase-apply").exists()
+
+
+def dirty_files(tree: Path) -> list[str]:
+    out = git(tree, "status", "--porcelain", "--untracked-files=all").stdout
+    return [line[3:] for line in out.splitlines()]
+
+
+def commits_since(tree: Path, base: str) -> list[str]:
+    out = git(tree, "rev-list", "--reverse", "--topo-order", f"{base}..HEAD").stdout
+    return out.split()
+
+
+def has_merges(tree: Path, base: str) -> bool:
+    return bool(git(tree, "rev-list", "--merges", f"{base}..HEAD").stdout.strip())

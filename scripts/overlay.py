@@ -1,0 +1,237 @@
+"""vllm_overlay/: the post-stack copy of every file the stack adds or changes.
+
+MANIFEST.json lists, per file, the sha256 it has in the pristine release
+("added" if the stack creates it) and after the stack ("deleted" if the stack
+removes it). `install` copies the overlay onto an existing vLLM installation
+or source tree, after checking every target file against the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from scripts.common import Layout, StackError, rel, run, say
+from scripts.gitrepo import git, read_state
+from scripts.pin import Pin
+
+MANIFEST = "MANIFEST.json"
+ADDED, DELETED = "added", "deleted"
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str
+    pristine_sha256: str  # or ADDED
+    patched_sha256: str  # or DELETED
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def stack_changes(tree: Path, base: str, result: str) -> dict[str, bytes | None]:
+    """Files that differ between two commits/trees: path -> new content (None: deleted)."""
+    out = git(tree, "diff", "--no-renames", "--name-status", "-z", base, result).stdout
+    fields = out.split("\0")
+    changes: dict[str, bytes | None] = {}
+    for status, path in zip(fields[0::2], fields[1::2]):
+        if status == "D":
+            changes[path] = None
+        else:
+            changes[path] = _blob(tree, result, path)
+    return changes
+
+
+def _blob(tree: Path, rev: str, path: str) -> bytes:
+    return run(["git", "-C", str(tree), "cat-file", "blob", f"{rev}:{path}"],
+               text=False).stdout
+
+
+def render(tree: Path, pin: Pin, base: str, result: str,
+           patch_names: list[str]) -> dict[str, bytes]:
+    """The overlay's files (relative path -> bytes), MANIFEST.json included."""
+    files: dict[str, bytes] = {}
+    entries = []
+    for path, content in sorted(stack_changes(tree, base, result).items()):
+        exists = git(tree, "cat-file", "-e", f"{base}:{path}", check=False).returncode == 0
+        pristine = sha256_bytes(_blob(tree, base, path)) if exists else ADDED
+        if content is None:
+            entries.append(Entry(path, pristine, DELETED))
+        else:
+            files[path] = content
+            entries.append(Entry(path, pristine, sha256_bytes(content)))
+    manifest = {
+        "vllm_version": pin.version,
+        "base_tag": pin.base_tag,
+        "base_sdist_sha256": pin.sdist.sha256,
+        "patches": patch_names,
+        "files": [e.__dict__ for e in entries],
+    }
+    files[MANIFEST] = (json.dumps(manifest, indent=2) + "\n").encode()
+    return files
+
+
+def current_files(overlay_dir: Path) -> dict[str, bytes]:
+    if not overlay_dir.exists():
+        return {}
+    return {p.relative_to(overlay_dir).as_posix(): p.read_bytes()
+            for p in sorted(overlay_dir.rglob("*")) if p.is_file() or p.is_symlink()}
+
+
+def write(layout: Layout, files: dict[str, bytes]) -> bool:
+    """Make vllm_overlay/ hold exactly `files`; return True if anything changed."""
+    old = current_files(layout.overlay_dir)
+    if old == files:
+        return False
+    for path in old.keys() - files.keys():
+        (layout.overlay_dir / path).unlink()
+    for path, content in files.items():
+        if old.get(path) != content:
+            target = layout.overlay_dir / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+    for d in sorted(layout.overlay_dir.rglob("*"), reverse=True):
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+    return True
+
+
+def regenerate(layout: Layout, pin: Pin, patch_names: list[str]) -> None:
+    tree = layout.tree
+    base = read_state(tree).get("base_tag", pin.base_tag)
+    files = render(tree, pin, base, "HEAD", patch_names)
+    changed = write(layout, files)
+    count = len(files) - 1
+    say(f"overlay: {rel(layout.overlay_dir, layout)}/ holds {count} file(s)"
+        + ("" if changed else " (unchanged)"))
+
+
+# --- installing the overlay -------------------------------------------------
+
+
+def load_manifest(overlay_dir: Path) -> dict:
+    path = overlay_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StackError(f"{path}: no manifest; is this a vllm_overlay/ folder?")
+    except json.JSONDecodeError as e:
+        raise StackError(f"{path}: not valid JSON: {e}")
+    return manifest
+
+
+def _entries(overlay_dir: Path, manifest: dict) -> list[Entry]:
+    entries = [Entry(**e) for e in manifest.get("files", [])]
+    listed = set()
+    for e in entries:
+        parts = PurePosixPath(e.path).parts
+        if (not parts or e.path.startswith("/") or ".." in parts or "\\" in e.path
+                or parts[0] == MANIFEST):
+            raise StackError(f"overlay entry {e.path!r} would be written outside "
+                             "the target; refusing to install anything")
+        source = overlay_dir / e.path
+        if e.patched_sha256 != DELETED:
+            if source.is_symlink() or not source.is_file():
+                raise StackError(f"overlay file {e.path} is missing or a symlink; "
+                                 "refusing to install anything")
+            if sha256_bytes(source.read_bytes()) != e.patched_sha256:
+                raise StackError(f"overlay file {e.path} does not match its manifest "
+                                 "hash (hand-edited?); regenerate it with `make apply`")
+        listed.add(e.path)
+    for p in overlay_dir.rglob("*"):
+        relpath = p.relative_to(overlay_dir).as_posix()
+        if p.is_symlink():
+            raise StackError(f"overlay holds a symlink {relpath}; refusing to install")
+        if p.is_file() and relpath != MANIFEST and relpath not in listed:
+            raise StackError(f"overlay file {relpath} is not in the manifest; "
+                             "refusing to install")
+    return entries
+
+
+def _target_version(target: Path) -> str | None:
+    version_file = target / "vllm" / "_version.py"
+    if not version_file.exists():
+        return None
+    m = re.search(r"__version__ = version = ['\"]([^'\"]+)", version_file.read_text())
+    return m.group(1) if m else None
+
+
+def _inside(target: Path, path: Path) -> bool:
+    real_target = os.path.realpath(target)
+    return os.path.realpath(path).startswith(real_target + os.sep)
+
+
+def install(overlay_dir: Path, target: Path, dry_run: bool = False) -> None:
+    """Install the overlay onto `target` (a folder holding the `vllm` package).
+
+    In a site-packages folder only files under vllm/ apply; a source tree (with
+    pyproject.toml) also gets the tests and CI files. Nothing is written unless
+    every target file matches the manifest's pristine (or patched) hash.
+    """
+    manifest = load_manifest(overlay_dir)
+    entries = _entries(overlay_dir, manifest)
+    if not (target / "vllm" / "__init__.py").is_file():
+        raise StackError(f"{target}: no vllm package here; give the folder that "
+                         "contains vllm/ (site-packages or a vLLM source tree)")
+    want = manifest.get("vllm_version")
+    have = _target_version(target)
+    if have is not None and want is not None and have.split("+")[0] != want:
+        raise StackError(f"{target}: holds vLLM {have}, the overlay is for vLLM "
+                         f"{want}; nothing was written")
+    source_tree = (target / "pyproject.toml").is_file()
+    todo, done, problems = [], [], []
+    for e in entries:
+        if not source_tree and PurePosixPath(e.path).parts[0] != "vllm":
+            continue
+        dest = target / e.path
+        if not _inside(target, dest):
+            problems.append(f"{e.path}: resolves outside the target (symlink)")
+            continue
+        current = sha256_bytes(dest.read_bytes()) if dest.is_file() else None
+        if dest.exists() and not dest.is_file():
+            problems.append(f"{e.path}: exists but is not a regular file")
+        elif current == (None if e.patched_sha256 == DELETED else e.patched_sha256):
+            done.append(e)
+        elif current == (None if e.pristine_sha256 == ADDED else e.pristine_sha256):
+            todo.append(e)
+        else:
+            expected = "absent" if e.pristine_sha256 == ADDED else e.pristine_sha256[:12]
+            found = "absent" if current is None else current[:12]
+            problems.append(f"{e.path}: expected pristine {expected}, found {found}")
+    if problems:
+        raise StackError(
+            f"{target} does not match the overlay's pristine vLLM {want} files "
+            "(wrong vLLM version, or already modified); nothing was written:\n  "
+            + "\n  ".join(problems))
+    if dry_run or not todo:
+        state = "would install" if dry_run else "already installed"
+        say(f"overlay: {len(todo)} file(s) {state if todo else 'to install'}; "
+            f"{len(done)} already in place")
+        return
+    for e in todo:
+        _install_one(overlay_dir, target, e)
+    say(f"overlay: installed {len(todo)} file(s) into {target}"
+        + (f"; {len(done)} were already in place" if done else ""))
+
+
+def _install_one(overlay_dir: Path, target: Path, e: Entry) -> None:
+    dest = target / e.path
+    if e.patched_sha256 == DELETED:
+        dest.unlink()
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write((overlay_dir / e.path).read_bytes())
+    if dest.exists():
+        shutil.copymode(dest, tmp)
+    else:
+        os.chmod(tmp, 0o644)
+    os.replace(tmp, dest)

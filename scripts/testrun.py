@@ -1,0 +1,146 @@
+"""`make test`: every suite, against the patched vLLM installed in .venv.
+
+Suites, in order:
+- tooling: tests of this repository's scripts (tests/tooling/);
+- lint: vLLM's pre-commit checks on the files the stack changes;
+- stack: the vLLM test files the stack adds or changes, run in build/vllm;
+- regression: vLLM's existing tests of the code the stack touches
+  (tests/vllm_regression.txt), run in build/vllm;
+- verification: this project's end-to-end checks of both drafters on CPU
+  (tests/verification/).
+A summary table ends the run; any failure makes the exit status non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.common import Layout, StackError, say
+from scripts.gitrepo import git, read_state
+from scripts.lint import run_lints
+from scripts.venv import venv_python
+
+REGRESSION_LIST = "tests/vllm_regression.txt"
+CPU_PLUGIN = "tests.support.vllm_cpu_plugin"
+
+
+@dataclass
+class Outcome:
+    suite: str
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    note: str = ""
+
+
+def run_all(layout: Layout) -> int:
+    python = venv_python(layout)
+    if not python.exists():
+        raise StackError(".venv is missing; run `make build` (make test does it for you)")
+    base = read_state(layout.tree)["base_tag"]
+    results_dir = layout.build_dir / "test-results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stack_tests = _stack_test_files(layout, base)
+    outcomes = [
+        _pytest(layout, "tooling", ["tests/tooling"], layout.root, results_dir),
+        _lint(layout, base, python),
+    ]
+    if stack_tests:
+        outcomes.append(_pytest(layout, "stack", stack_tests, layout.tree, results_dir))
+    else:
+        outcomes.append(Outcome("stack", note="the stack adds or changes no vLLM tests"))
+    outcomes.append(_pytest(layout, "regression", _regression_args(layout, stack_tests),
+                            layout.tree, results_dir))
+    outcomes.append(_pytest(layout, "verification", ["tests/verification"], layout.root,
+                            results_dir))
+    return _summarize(outcomes)
+
+
+def _stack_test_files(layout: Layout, base: str) -> list[str]:
+    out = git(layout.tree, "diff", "--no-renames", "--name-only", "--diff-filter=AM",
+              base, "HEAD", "--", "tests/").stdout.split()
+    return [f for f in out if Path(f).name.startswith("test_") and f.endswith(".py")]
+
+
+def _regression_args(layout: Layout, already_run: list[str]) -> list[str]:
+    """Entries of tests/vllm_regression.txt, minus files the stack suite runs anyway."""
+    args: list[str] = []
+    for raw in (layout.root / REGRESSION_LIST).read_text().splitlines():
+        line = raw.split("  #", 1)[0].split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("--deselect "):
+            args += ["--deselect", line.split(None, 1)[1]]
+        elif line.split("::")[0] not in already_run:
+            args.append(line)
+    return args
+
+
+def _pytest(layout: Layout, suite: str, args: list[str], cwd: Path,
+            results_dir: Path) -> Outcome:
+    in_vllm_tree = cwd == layout.tree
+    xml = results_dir / f"{suite}.xml"
+    xml.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(layout.root), "K3_PROJECT_ROOT": str(layout.root)}
+    # vLLM's own tests need the CPU-machine plugin; ours set up what they need.
+    plugin = ["-p", CPU_PLUGIN] if in_vllm_tree else []
+    cmd = [str(venv_python(layout)), "-m", "pytest", *plugin, "-q",
+           f"--junitxml={xml}", *args]
+    say(f"\n=== {suite}: pytest {' '.join(args)}  (in {cwd})")
+    start = time.monotonic()
+    code = subprocess.run(cmd, cwd=cwd, env=env).returncode
+    outcome = _read_junit(suite, xml)
+    outcome.seconds = time.monotonic() - start
+    if code not in (0, 1) or (code == 1 and not outcome.failed):
+        # Collection errors, usage errors, or no tests at all (exit 5).
+        outcome.failed += 1
+        outcome.note = f"pytest exited {code}"
+    return outcome
+
+
+def _read_junit(suite: str, xml: Path) -> Outcome:
+    outcome = Outcome(suite)
+    if not xml.exists():
+        return outcome
+    for ts in ET.parse(xml).getroot().iter("testsuite"):
+        tests, skipped = int(ts.get("tests", 0)), int(ts.get("skipped", 0))
+        failed = int(ts.get("failures", 0)) + int(ts.get("errors", 0))
+        outcome.passed += tests - skipped - failed
+        outcome.failed += failed
+        outcome.skipped += skipped
+    return outcome
+
+
+def _lint(layout: Layout, base: str, python: Path) -> Outcome:
+    say("\n=== lint: vLLM's pre-commit checks on the files the stack changes")
+    start = time.monotonic()
+    outcome = Outcome("lint")
+    for result in run_lints(layout.tree, base, python):
+        say(f"  {'ok  ' if result.ok else 'FAIL'} {result.name}")
+        if not result.ok:
+            say("    " + result.output.replace("\n", "\n    "))
+        outcome.passed += result.ok
+        outcome.failed += not result.ok
+    if not outcome.passed + outcome.failed:
+        outcome.note = "the stack changes no files"
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+def _summarize(outcomes: list[Outcome]) -> int:
+    say("\n=== summary")
+    say(f"  {'suite':<14}{'passed':>8}{'failed':>8}{'skipped':>9}{'time':>9}")
+    for o in outcomes:
+        say(f"  {o.suite:<14}{o.passed:>8}{o.failed:>8}{o.skipped:>9}{o.seconds:>8.0f}s"
+            + (f"  {o.note}" if o.note else ""))
+    passed = sum(o.passed for o in outcomes)
+    failed = sum(o.failed for o in outcomes)
+    skipped = sum(o.skipped for o in outcomes)
+    say(f"{passed} passed, {failed} failed, {skipped} skipped")
+    return 1 if failed else 0

@@ -1,0 +1,115 @@
+"""`make build`: .venv with the locked dependencies and the patched tree installed.
+
+The patched tree is installed as a python-only editable build against the
+pinned wheel's compiled kernels, so the stack never needs a CUDA/ROCm
+toolchain. A stamp file records what is installed; only what changed is redone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.common import Layout, StackError, rel, run, say
+from scripts.fetch import ensure_artifact
+from scripts.gitrepo import dirty_files, is_stack_repo
+from scripts.lock import lock_file
+from scripts.pin import load_pin
+
+
+def venv_python(layout: Layout) -> Path:
+    return layout.venv / "bin" / "python"
+
+
+def _stamp_path(layout: Layout) -> Path:
+    return layout.venv / "k3-stack-build.json"
+
+
+def _read_stamp(layout: Layout) -> dict:
+    try:
+        return json.loads(_stamp_path(layout).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _write_stamp(layout: Layout, **updates) -> None:
+    _stamp_path(layout).write_text(json.dumps({**_read_stamp(layout), **updates}, indent=1))
+
+
+def pip_env(layout: Layout) -> dict[str, str]:
+    # Downloads are cached under the project so a rebuilt .venv costs no network.
+    return {"PIP_CACHE_DIR": str(layout.cache_dir / "pip"),
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def build(layout: Layout) -> None:
+    pin = load_pin(layout.pin_file)
+    if not is_stack_repo(layout.tree):
+        raise StackError(f"{rel(layout.tree, layout)} does not exist; run `make apply` first")
+    wheel = ensure_artifact(layout, pin.project, pin.wheel)
+    if not venv_python(layout).exists():
+        say(f"creating {rel(layout.venv, layout)}")
+        run([sys.executable, "-m", "venv", str(layout.venv)])
+    _install_locked_dependencies(layout)
+    _install_patched_tree(layout, pin.version, wheel)
+    _verify_import(layout)
+
+
+def _install_locked_dependencies(layout: Layout) -> None:
+    lock = lock_file(layout)
+    digest = hashlib.sha256(lock.read_bytes()).hexdigest()
+    if _read_stamp(layout).get("lock_sha256") == digest:
+        return
+    say(f"installing the locked dependencies ({rel(lock, layout)}; ~9 GB, a few minutes "
+        "on a cold cache)")
+    _pip(layout, "install", "--require-hashes", "--no-deps", "-r", str(lock))
+    _write_stamp(layout, lock_sha256=digest, editable=None)
+
+
+def _install_patched_tree(layout: Layout, version: str, wheel: Path) -> None:
+    wanted = {"tree": str(layout.tree.resolve()), "wheel": wheel.name, "version": version}
+    if _read_stamp(layout).get("editable") == wanted:
+        return
+    say(f"installing {rel(layout.tree, layout)} into .venv (python-only build on "
+        f"{wheel.name}'s kernels)")
+    before = set(dirty_files(layout.tree))
+    env = {
+        "VLLM_USE_PRECOMPILED": "1",
+        "VLLM_PRECOMPILED_WHEEL_LOCATION": str(wheel),
+        # build/vllm is a git repo of our own; tell setuptools-scm the real version.
+        "SETUPTOOLS_SCM_PRETEND_VERSION": version,
+        "SETUPTOOLS_SCM_PRETEND_VERSION_FOR_VLLM": version,
+    }
+    _pip(layout, "install", "--no-build-isolation", "--no-deps", "-e", str(layout.tree),
+         env=env)
+    if new := set(dirty_files(layout.tree)) - before:
+        raise StackError(f"the build changed tracked files in {rel(layout.tree, layout)}: "
+                         f"{', '.join(sorted(new))}; add them to the excludes in "
+                         "scripts/gitrepo.py or fix the build")
+    _write_stamp(layout, editable=wanted)
+
+
+def _verify_import(layout: Layout) -> None:
+    out = run([str(venv_python(layout)), "-c",
+               "import vllm, os; print(os.path.realpath(vllm.__file__)); print(vllm.__version__)"],
+              cwd=layout.root).stdout.split()
+    where, version = out[0], out[1]
+    if not where.startswith(str(layout.tree.resolve()) + os.sep):
+        raise StackError(f".venv imports vllm from {where}, not from {layout.tree}; "
+                         "remove .venv and run `make build` again")
+    say(f".venv: vllm {version} from {rel(Path(where).parent, layout)}")
+
+
+def _pip(layout: Layout, *args: str, env: dict[str, str] | None = None) -> None:
+    cmd = [str(venv_python(layout)), "-m", "pip", *args]
+    full_env = {**os.environ, **pip_env(layout), **(env or {})}
+    # pip's log is long; keep it out of the way and show its end if pip fails.
+    result = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stdout.splitlines()[-30:])
+        raise StackError(f"pip failed ({result.returncode}): {' '.join(cmd)}\n{tail}")

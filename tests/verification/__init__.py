@@ -1,0 +1,1 @@
+"""Verification harness tests (see harness/__init__.py)."""
