@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -120,21 +121,57 @@ def create_base(layout: Layout, pin: Pin, sdist: Path, dest: Path | None = None)
         git(tmp, "init", "-q", "-b", BRANCH)
         (tmp / ".git" / "info" / "exclude").write_text(_EXCLUDES)
         git(tmp, "add", "-A", "-f")
-        date = f"{newest} +0000"
-        env = {**RELEASE_AUTHOR, **TOOL_IDENTITY,
-               "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
-        git(tmp, "-c", "commit.gpgsign=false", "commit", "-q", "--no-verify",
-            "-m", f"vLLM {pin.version} release\n\nUnpacked from {pin.sdist.filename} "
-            f"(sha256 {pin.sdist.sha256}), upstream commit {pin.commit}.", env=env)
-        git(tmp, "tag", pin.base_tag)
-        head = git(tmp, "rev-parse", "HEAD").stdout.strip()
+        tree_id = git(tmp, "write-tree").stdout.strip()
+        commit = _commit_release(tmp, pin, tree_id, newest, parent=None)
+        git(tmp, "reset", "-q", commit)
+        git(tmp, "tag", pin.base_tag, commit)
         write_state(tmp, base_sdist_sha256=pin.sdist.sha256, base_tag=pin.base_tag,
-                    base_commit=head, status="base")
+                    base_commit=commit, status="base")
         # Only a complete repository ever appears at build/vllm.
         os.replace(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def import_release(layout: Layout, pin: Pin, sdist: Path, parent: str) -> str:
+    """Commit another release into build/vllm as a child of `parent`; tag it."""
+    tree = layout.tree
+    tmp = Path(tempfile.mkdtemp(prefix=".vllm-unpacking-", dir=layout.build_dir))
+    fd, index = tempfile.mkstemp(prefix="k3-release-index-")
+    os.close(fd)
+    os.unlink(index)
+    try:
+        say(f"unpacking {sdist.name}")
+        newest = unpack_release(sdist, tmp)
+        env = {"GIT_INDEX_FILE": index, "GIT_WORK_TREE": str(tmp)}
+        git(tree, "add", "-A", "-f", ".", env=env)
+        tree_id = git(tree, "write-tree", env=env).stdout.strip()
+        commit = _commit_release(tree, pin, tree_id, newest, parent=parent)
+        git(tree, "tag", "-f", pin.base_tag, commit)
+        return commit
+    finally:
+        shutil.rmtree(tmp)
+        if os.path.exists(index):
+            os.unlink(index)
+
+
+def _commit_release(repo: Path, pin: Pin, tree_id: str, mtime: int,
+                    parent: str | None) -> str:
+    date = f"{mtime} +0000"
+    env = {**RELEASE_AUTHOR, **TOOL_IDENTITY,
+           "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+    message = (f"vLLM {pin.version} release\n\nUnpacked from {pin.sdist.filename} "
+               f"(sha256 {pin.sdist.sha256}), upstream commit {pin.commit}.\n")
+    args = ["commit-tree", tree_id, "-F", "-"] + (["-p", parent] if parent else [])
+    return git(repo, *args, env=env, input=message).stdout.strip()
+
+
+def release_commit_id(tree: Path, rev: str) -> str | None:
+    """The upstream commit a release names in its vllm/_version.py."""
+    text = git(tree, "show", f"{rev}:vllm/_version.py", check=False).stdout
+    m = re.search(r"commit_id = ['\"]([^'\"]+)['\"]", text)
+    return m.group(1) if m else None
 
 
 def head(tree: Path) -> str:

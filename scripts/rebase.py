@@ -1,0 +1,175 @@
+"""`make rebase VLLM_VERSION=x.y.z`: move the stack onto another vLLM release.
+
+The new release is committed in build/vllm as a child of the old one, and
+the patches are re-applied on it with 3-way merging allowed. At the first
+conflict the run stops, names the patch and the files, and says how to go on;
+pin.toml and patches/ change only once every patch is on the new release
+(then the patches are re-exported, so no resolution stays unexported). The
+old stack stays in build/vllm as branch `stack-<old version>`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from scripts import stack
+from scripts.common import Layout, StackError, rel, say
+from scripts.fetch import ensure_artifact, find_in_index
+from scripts.gitrepo import (
+    BRANCH,
+    TOOL_IDENTITY,
+    am_in_progress,
+    commits_since,
+    git,
+    head,
+    import_release,
+    is_stack_repo,
+    read_state,
+    release_commit_id,
+    write_state,
+)
+from scripts.pin import Artifact, Pin, load_pin, render_pin
+from scripts.series import read_series
+
+_AM_3WAY = [*stack.AM, "--3way"]
+
+
+def rebase(layout: Layout, version: str) -> None:
+    if not re.fullmatch(r"[0-9][0-9A-Za-z.+-]*", version):
+        raise StackError(f"{version!r} is not a vLLM version")
+    tree = layout.tree
+    if not is_stack_repo(tree):
+        raise StackError(f"{rel(tree, layout)} does not exist; run `make apply` first")
+    progress = read_state(tree).get("rebase")
+    if progress and progress["pin"]["version"] != version:
+        raise StackError(
+            f"a rebase to vLLM {progress['pin']['version']} is in progress in "
+            f"{rel(tree, layout)}; finish it with `make rebase VLLM_VERSION="
+            f"{progress['pin']['version']}` or abandon it (see README)")
+    if progress:
+        _resume(layout, progress)
+    else:
+        progress = _start(layout, version)
+    _apply_remaining(layout, progress)
+    _finish(layout, progress)
+
+
+def _start(layout: Layout, version: str) -> dict:
+    old = load_pin(layout.pin_file)
+    if version == old.version:
+        raise StackError(f"the stack is already on vLLM {version}")
+    stack.guard_tree(layout, "`make rebase`")
+    new = _pin_for(layout, old, version)
+    sdist = ensure_artifact(layout, new.project, new.sdist)
+    tree = layout.tree
+    old_base = read_state(tree)["base_tag"]
+    commit = import_release(layout, new, sdist, parent=old_base)
+    new = Pin(new.version, release_commit_id(tree, commit) or "unknown",
+              new.base_tag, new.sdist, new.wheel)
+    git(tree, "branch", "-f", f"{BRANCH}-{old.version}", BRANCH)
+    git(tree, "checkout", "-q", "-B", f"rebase-{version}", commit)
+    progress = {"pin": _pin_dict(new), "patches": [p.name for p in read_series(layout)],
+                "next": 0, "three_way": [], "old_branch": f"{BRANCH}-{old.version}"}
+    write_state(tree, rebase=progress, status="rebasing")
+    say(f"rebasing {len(progress['patches'])} patch(es) from vLLM {old.version} onto "
+        f"{version} (3-way merge allowed; old stack kept as {progress['old_branch']})")
+    return progress
+
+
+def _pin_for(layout: Layout, old: Pin, version: str) -> Pin:
+    """The pin of `version`: same artifact kinds, sizes and hashes from the index."""
+    def artifact(old_art: Artifact) -> Artifact:
+        filename = old_art.filename.replace(old.version, version)
+        found = find_in_index(old.project, filename)
+        if not (found.sha256 and found.size):
+            raise StackError(f"the index gives no size/sha256 for {filename}; "
+                             "write the new pin.toml by hand and run `make apply`")
+        return Artifact(filename, found.size, found.sha256)
+
+    return Pin(version, "unknown", f"vllm-{version}", artifact(old.sdist), artifact(old.wheel))
+
+
+def _resume(layout: Layout, progress: dict) -> None:
+    """Go on after a stop: finish the resolved `git am`, or note a skipped patch."""
+    tree = layout.tree
+    if am_in_progress(tree):
+        result = git(tree, "am", "--continue", env=TOOL_IDENTITY, check=False)
+        if result.returncode != 0:
+            _stop(layout, progress, result.stdout + result.stderr)
+    applied = len(commits_since(tree, progress["pin"]["base_tag"]))
+    if applied == progress["next"]:
+        name = progress["patches"].pop(progress["next"])
+        progress.setdefault("dropped", []).append(name)
+        say(f"  dropped {name} (skipped during the rebase)")
+    else:
+        say(f"  [{applied}/{len(progress['patches'])}] resolved "
+            f"{progress['patches'][applied - 1]}")
+        progress["three_way"].append(progress["patches"][applied - 1])
+        progress["next"] = applied
+    write_state(tree, rebase=progress)
+
+
+def _apply_remaining(layout: Layout, progress: dict) -> None:
+    tree = layout.tree
+    names = progress["patches"]
+    while progress["next"] < len(names):
+        name = names[progress["next"]]
+        patch = layout.patches_dir / name
+        result = git(tree, *_AM_3WAY, str(patch.resolve()), env=TOOL_IDENTITY, check=False)
+        output = result.stdout + result.stderr
+        if result.returncode != 0:
+            _stop(layout, progress, output)
+        if "three-way merge" in output:
+            progress["three_way"].append(name)
+        say(f"  [{progress['next'] + 1}/{len(names)}] applied {name}"
+            + (" (3-way merged: review it)" if name in progress["three_way"] else ""))
+        progress["next"] += 1
+        write_state(tree, rebase=progress)
+
+
+def _stop(layout: Layout, progress: dict, output: str) -> None:
+    tree, where = layout.tree, rel(layout.tree, layout)
+    name = progress["patches"][progress["next"]]
+    version = progress["pin"]["version"]
+    conflicted = git(tree, "diff", "--name-only", "--diff-filter=U").stdout.split()
+    if "Patch is empty" in output or "patch is empty" in output.lower():
+        what = (f"{name} changes nothing on vLLM {version}: it is probably upstream "
+                f"already. Drop it with `git -C {where} am --skip`")
+    else:
+        files = conflicted or sorted(set(re.findall(r"(?:patch failed|conflict in) ?:? ?([^\s:]+)",
+                                                    output, re.I)))
+        what = (f"{name} conflicts with vLLM {version} in: {', '.join(files) or '(see below)'}"
+                f"\n{output.strip()}\nResolve the files in {where}, then "
+                f"`git -C {where} add <files>`")
+    raise StackError(
+        f"{what}; then run `make rebase VLLM_VERSION={version}` again to go on.\n"
+        f"Nothing is lost: pin.toml and patches/ are unchanged, the old stack is "
+        f"branch {progress['old_branch']} in {where}. To give up: "
+        f"`git -C {where} am --abort && git -C {where} checkout {BRANCH}`, then "
+        f"remove the \"rebase\" entry from {where}/.git/k3-stack.json.")
+
+
+def _finish(layout: Layout, progress: dict) -> None:
+    tree = layout.tree
+    new = _pin_from_dict(progress["pin"])
+    git(tree, "checkout", "-q", "-B", BRANCH, head(tree))
+    git(tree, "branch", "-q", "-D", f"rebase-{new.version}")
+    layout.pin_file.write_text(render_pin(new))
+    write_state(tree, base_tag=new.base_tag, base_sdist_sha256=new.sdist.sha256,
+                base_commit=git(tree, "rev-parse", new.base_tag).stdout.strip(),
+                rebase=None, status="applied")
+    stack.export(layout)
+    merged = progress["three_way"]
+    say(f"rebased onto vLLM {new.version}; pin.toml updated"
+        + (f"; review the 3-way merged patches: {', '.join(merged)}" if merged else "")
+        + ". Next: `make test`, then commit pin.toml, patches/ and vllm_overlay/.")
+
+
+def _pin_dict(pin: Pin) -> dict:
+    return {"version": pin.version, "commit": pin.commit, "base_tag": pin.base_tag,
+            "sdist": pin.sdist.__dict__, "wheel": pin.wheel.__dict__}
+
+
+def _pin_from_dict(d: dict) -> Pin:
+    return Pin(d["version"], d["commit"], d["base_tag"], Artifact(**d["sdist"]),
+               Artifact(**d["wheel"]))
