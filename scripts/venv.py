@@ -16,9 +16,9 @@ from pathlib import Path
 
 from scripts.common import Layout, StackError, rel, run, say
 from scripts.fetch import ensure_artifact
-from scripts.gitrepo import dirty_files, is_stack_repo
+from scripts.gitrepo import dirty_files, is_stack_repo, read_state
 from scripts.lock import lock_file
-from scripts.pin import load_pin
+from scripts.pin import Pin, load_pin
 
 
 def venv_python(layout: Layout) -> Path:
@@ -55,7 +55,7 @@ def build(layout: Layout) -> None:
         say(f"creating {rel(layout.venv, layout)}")
         run([sys.executable, "-m", "venv", str(layout.venv)])
     _install_locked_dependencies(layout)
-    _install_patched_tree(layout, pin.version, wheel)
+    _install_patched_tree(layout, pin, wheel)
     _verify_import(layout)
 
 
@@ -70,9 +70,12 @@ def _install_locked_dependencies(layout: Layout) -> None:
     _write_stamp(layout, lock_sha256=digest, editable=None)
 
 
-def _install_patched_tree(layout: Layout, version: str, wheel: Path) -> None:
-    wanted = {"tree": str(layout.tree.resolve()), "wheel": wheel.name, "version": version}
-    if _read_stamp(layout).get("editable") == wanted:
+def _install_patched_tree(layout: Layout, pin: Pin, wheel: Path) -> None:
+    wanted = {"tree": str(layout.tree.resolve()), "wheel": wheel.name, "version": pin.version,
+              "base_commit": read_state(layout.tree).get("base_commit")}
+    # A re-created build/vllm has lost the kernels the install copied into it.
+    kernels_present = any((layout.tree / "vllm").glob("*.so"))
+    if _read_stamp(layout).get("editable") == wanted and kernels_present:
         return
     say(f"installing {rel(layout.tree, layout)} into .venv (python-only build on "
         f"{wheel.name}'s kernels)")
@@ -80,9 +83,10 @@ def _install_patched_tree(layout: Layout, version: str, wheel: Path) -> None:
     env = {
         "VLLM_USE_PRECOMPILED": "1",
         "VLLM_PRECOMPILED_WHEEL_LOCATION": str(wheel),
-        # build/vllm is a git repo of our own; tell setuptools-scm the real version.
-        "SETUPTOOLS_SCM_PRETEND_VERSION": version,
-        "SETUPTOOLS_SCM_PRETEND_VERSION_FOR_VLLM": version,
+        # build/vllm is a git repo of our own, not upstream's: give setuptools-scm
+        # the release's version and commit so it rewrites vllm/_version.py unchanged.
+        "SETUPTOOLS_SCM_PRETEND_VERSION": pin.version,
+        "SETUPTOOLS_SCM_PRETEND_METADATA": f'{{node="{pin.commit}"}}',
     }
     _pip(layout, "install", "--no-build-isolation", "--no-deps", "-e", str(layout.tree),
          env=env)
@@ -94,9 +98,10 @@ def _install_patched_tree(layout: Layout, version: str, wheel: Path) -> None:
 
 
 def _verify_import(layout: Layout) -> None:
-    out = run([str(venv_python(layout)), "-c",
-               "import vllm, os; print(os.path.realpath(vllm.__file__)); print(vllm.__version__)"],
-              cwd=layout.root).stdout.split()
+    # Locate the package without importing it (importing vLLM takes many seconds).
+    probe = ("import importlib.util as u, importlib.metadata as m, os; "
+             "print(os.path.realpath(u.find_spec('vllm').origin)); print(m.version('vllm'))")
+    out = run([str(venv_python(layout)), "-c", probe], cwd=layout.root).stdout.split()
     where, version = out[0], out[1]
     if not where.startswith(str(layout.tree.resolve()) + os.sep):
         raise StackError(f".venv imports vllm from {where}, not from {layout.tree}; "
