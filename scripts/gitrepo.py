@@ -119,6 +119,7 @@ def create_base(layout: Layout, pin: Pin, sdist: Path, dest: Path | None = None)
         say(f"unpacking {sdist.name} into {rel(dest, layout)}")
         newest = unpack_release(sdist, tmp)
         git(tmp, "init", "-q", "-b", BRANCH)
+        git(tmp, "config", "gc.auto", "0")  # no background repacking of a build tree
         (tmp / ".git" / "info" / "exclude").write_text(_EXCLUDES)
         git(tmp, "add", "-A", "-f")
         tree_id = git(tmp, "write-tree").stdout.strip()
