@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import html.parser
+import http.client
 import json
 import os
 import subprocess
@@ -76,14 +77,14 @@ def ensure_artifact(layout: Layout, project: str, artifact: Artifact) -> Path:
         warn(f"cached {artifact.filename} does not match pin.toml; moved to "
              f"{rel(moved, layout)}, downloading it again")
     layout.downloads_dir.mkdir(parents=True, exist_ok=True)
-    index_file = find_in_index(project, artifact.filename)
+    index_file = find_in_index(project, artifact.filename, layout.downloads_dir)
     if index_file.sha256 and index_file.sha256 != artifact.sha256:
         raise StackError(
             f"the index lists {artifact.filename} with sha256 {index_file.sha256}, "
             f"but pin.toml pins {artifact.sha256}; check pin.toml before going on"
         )
     part = path.with_name(path.name + ".part")
-    _download(index_file.url, part, artifact)
+    _download(index_file.url, part, artifact, layout)
     actual = sha256_of(part)
     size = part.stat().st_size
     if size != artifact.size or actual != artifact.sha256:
@@ -100,7 +101,7 @@ def ensure_artifact(layout: Layout, project: str, artifact: Artifact) -> Path:
     return path
 
 
-def find_in_index(project: str, filename: str) -> IndexFile:
+def find_in_index(project: str, filename: str, downloads: Path | None = None) -> IndexFile:
     """Look `filename` up on each configured index (PEP 691 JSON, else PEP 503 HTML)."""
     problems = []
     for index in configured_indexes():
@@ -116,8 +117,8 @@ def find_in_index(project: str, filename: str) -> IndexFile:
     raise StackError(
         f"cannot download {filename}: " + "; ".join(problems) + "\n"
         f"If this machine is offline, fetch {filename} on a machine that can "
-        "(e.g. from the project's page on PyPI) and put it in the download "
-        "cache (.cache/downloads/); it is checked against pin.toml before use."
+        f"(e.g. from the project's page on PyPI) and put it in {downloads or 'the download cache'}/; "
+        "it is checked against pin.toml before use."
     )
 
 
@@ -169,7 +170,7 @@ def _html_files(base: str, page: str) -> list[IndexFile]:
     return files
 
 
-def _download(url: str, part: Path, artifact: Artifact) -> None:
+def _download(url: str, part: Path, artifact: Artifact, layout: Layout) -> None:
     say(f"downloading {artifact.filename} ({artifact.size / 1e6:.1f} MB)")
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as out:
@@ -178,12 +179,12 @@ def _download(url: str, part: Path, artifact: Artifact) -> None:
                 out.write(chunk)
                 progress.update(len(chunk))
             progress.done()
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
         raise StackError(
             f"download of {artifact.filename} from {url} failed: "
-            f"{getattr(e, 'reason', e)}. The partial file {part.name} is kept "
-            "aside and never used; run the command again to retry, or place the "
-            "file in .cache/downloads/ by hand."
+            f"{getattr(e, 'reason', e)!r}. The partial file {part.name} is never "
+            "used; run the command again to retry, or put the file in "
+            f"{rel(layout.downloads_dir, layout)}/ by hand."
         )
 
 
@@ -218,7 +219,12 @@ class _Progress:
 def _quarantine(layout: Layout, path: Path) -> Path:
     """Move a file that failed verification out of the cache, keeping it for inspection."""
     layout.quarantine_dir.mkdir(parents=True, exist_ok=True)
-    target = layout.quarantine_dir / f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}"
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    target = layout.quarantine_dir / f"{path.name}.{stamp}"
+    n = 1
+    while target.exists():
+        n += 1
+        target = layout.quarantine_dir / f"{path.name}.{stamp}.{n}"
     os.replace(path, target)
     path.with_name(path.name + ".verified").unlink(missing_ok=True)
     return target

@@ -42,7 +42,10 @@ _SKIP_FROM_RELEASE = ("vllm.egg-info",)
 
 def git(tree: Path, *args: str, env: dict | None = None, check: bool = True,
         input: str | None = None):
-    return run(["git", "-C", str(tree), *args], env=env, check=check, input=input)
+    # A fixed committer: the machine may have no git identity (CI), and commit
+    # ids must not depend on who runs the tooling.
+    return run(["git", "-C", str(tree), *args], env={**TOOL_IDENTITY, **(env or {})},
+               check=check, input=input)
 
 
 def state_path(tree: Path) -> Path:
@@ -67,47 +70,63 @@ def is_stack_repo(tree: Path) -> bool:
     return (tree / ".git").is_dir() and state_path(tree).exists()
 
 
-def safe_members(archive: tarfile.TarFile, archive_name: str) -> list[tarfile.TarInfo]:
-    """The archive's members, each checked to stay inside the single top folder."""
+def _unsafe(parts: tuple[str, ...]) -> bool:
+    return not parts or ".." in parts or ".git" in parts
+
+
+def release_members(archive: tarfile.TarFile, archive_name: str) -> list[tarfile.TarInfo]:
+    """The members under the archive's single top folder, renamed relative to it.
+
+    Every path, and every link target, must stay inside that folder and out of
+    any .git folder (a .git/config could make later git commands run code).
+    """
     members = archive.getmembers()
-    top = None
+    if not members:
+        raise StackError(f"{archive_name}: empty archive")
+    top = PurePosixPath(members[0].name).parts[0]
+    kept = []
     for m in members:
         path = PurePosixPath(m.name)
-        if path.is_absolute() or ".." in path.parts or not path.parts:
-            raise StackError(f"{archive_name}: member {m.name!r} would be written "
-                             "outside the target folder; refusing to unpack")
-        if top is None:
-            top = path.parts[0]
-        if path.parts[0] != top:
-            raise StackError(f"{archive_name}: members outside the top folder {top!r}")
-        if m.issym() or m.islnk():
-            target = PurePosixPath(m.linkname)
-            resolved = (path.parent / target) if m.issym() else target
-            if target.is_absolute() or ".." in PurePosixPath(
-                    os.path.normpath(str(resolved))).parts:
+        if path.is_absolute() or not path.parts or path.parts[0] != top:
+            raise StackError(f"{archive_name}: member {m.name!r} lies outside the top "
+                             f"folder {top!r}; refusing to unpack")
+        parts = path.parts[1:]
+        if not parts:
+            continue
+        if _unsafe(parts):
+            raise StackError(f"{archive_name}: member {m.name!r} would be written outside "
+                             "the source tree or into a .git folder; refusing to unpack")
+        if m.issym():
+            target = PurePosixPath(os.path.normpath(str(PurePosixPath(*parts).parent
+                                                          / m.linkname)))
+            if PurePosixPath(m.linkname).is_absolute() or _unsafe(target.parts):
                 raise StackError(f"{archive_name}: link {m.name!r} -> {m.linkname!r} "
-                                 "points outside the target folder; refusing to unpack")
+                                 "points outside the source tree; refusing to unpack")
+        elif m.islnk():
+            target = PurePosixPath(m.linkname)
+            if not target.parts or target.parts[0] != top or _unsafe(target.parts[1:]):
+                raise StackError(f"{archive_name}: hard link {m.name!r} -> {m.linkname!r} "
+                                 "points outside the source tree; refusing to unpack")
+            m.linkname = str(PurePosixPath(*target.parts[1:]))
         elif not (m.isfile() or m.isdir()):
             raise StackError(f"{archive_name}: member {m.name!r} is not a plain file")
-    return members
+        m.name = str(PurePosixPath(*parts))
+        kept.append(m)
+    return kept
 
 
 def unpack_release(sdist: Path, dest: Path) -> int:
-    """Unpack the sdist's single top folder into `dest`; return the newest mtime."""
-    with tarfile.open(sdist) as archive:
-        members = safe_members(archive, sdist.name)
-        top = PurePosixPath(members[0].name).parts[0]
-        newest = 0
-        for m in members:
-            parts = PurePosixPath(m.name).parts[1:]
-            if not parts or parts[0] in _SKIP_FROM_RELEASE:
-                continue
-            m.name = str(PurePosixPath(*parts))
-            newest = max(newest, int(m.mtime))
-            archive.extract(m, dest, filter="data")
+    """Unpack the sdist's top folder into `dest`; return the newest mtime in it."""
+    try:
+        with tarfile.open(sdist) as archive:
+            members = [m for m in release_members(archive, sdist.name)
+                       if PurePosixPath(m.name).parts[0] not in _SKIP_FROM_RELEASE]
+            archive.extractall(dest, members=members, filter="data")
+    except (tarfile.TarError, OSError) as e:
+        raise StackError(f"{sdist.name}: cannot unpack: {e}")
     if not (dest / "vllm").is_dir():
-        raise StackError(f"{sdist.name}: no vllm/ package under {top}/")
-    return newest
+        raise StackError(f"{sdist.name}: no vllm/ package in its top folder")
+    return max((int(m.mtime) for m in members), default=0)
 
 
 def create_base(layout: Layout, pin: Pin, sdist: Path, dest: Path | None = None) -> None:
@@ -129,6 +148,8 @@ def create_base(layout: Layout, pin: Pin, sdist: Path, dest: Path | None = None)
         write_state(tmp, base_sdist_sha256=pin.sdist.sha256, base_tag=pin.base_tag,
                     base_commit=commit, status="base")
         # Only a complete repository ever appears at build/vllm.
+        if dest.exists():
+            shutil.rmtree(dest)  # callers pass only trees proven safe to replace
         os.replace(tmp, dest)
     finally:
         if tmp.exists():

@@ -210,10 +210,11 @@ def install(overlay_dir: Path, target: Path, dry_run: bool = False) -> None:
             f"{target} does not match the overlay's pristine vLLM {want} files "
             "(wrong vLLM version, or already modified); nothing was written:\n  "
             + "\n  ".join(problems))
-    if dry_run or not todo:
-        state = "would install" if dry_run else "already installed"
-        say(f"overlay: {len(todo)} file(s) {state if todo else 'to install'}; "
-            f"{len(done)} already in place")
+    if not todo:
+        say(f"overlay: already installed ({len(done)} file(s) in place in {target})")
+        return
+    if dry_run:
+        say(f"overlay: would install {len(todo)} file(s); {len(done)} already in place")
         return
     for e in todo:
         _install_one(overlay_dir, target, e)

@@ -119,7 +119,7 @@ def _apply_remaining(layout: Layout, progress: dict) -> None:
         output = result.stdout + result.stderr
         if result.returncode != 0:
             _stop(layout, progress, output)
-        if "three-way merge" in output:
+        if "3-way merge" in output or "three-way merge" in output:
             progress["three_way"].append(name)
         say(f"  [{progress['next'] + 1}/{len(names)}] applied {name}"
             + (" (3-way merged: review it)" if name in progress["three_way"] else ""))

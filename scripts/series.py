@@ -68,26 +68,36 @@ def write_series(layout: Layout, names: list[str]) -> None:
 
 
 def touched_paths(patch_text: str) -> list[str]:
-    """Every path a patch reads or writes, from its git diff headers."""
+    """Every path a patch reads or writes: git headers and plain ---/+++ lines."""
     paths = []
-    for line in patch_text.splitlines():
+    lines = patch_text.splitlines()
+    for line, following in zip(lines, lines[1:] + [""]):
         if m := _DIFF_PATH_RE.match(line):
             paths += [m.group(1), m.group(2)]
         elif m := _PATH_LINE_RE.match(line):
             paths.append(m.group(1))
+        elif line.startswith("--- ") and following.startswith("+++ "):
+            for header in (line, following):
+                path = header[4:].split("\t")[0]
+                if path != "/dev/null":
+                    paths.append(path[2:] if path[:2] in ("a/", "b/") else path)
     return paths
 
 
 def check_patch_paths(patch: Patch) -> None:
     """Refuse paths outside the tree, into .git, symlinks and the kernel sources."""
     text = patch.read().decode("utf-8", "replace")
+    if re.search(r'^(?:diff --git .*"|--- "|\+\+\+ "|(?:rename|copy) (?:from|to) ")',
+                 text, re.M):
+        raise StackError(f"{patch.name}: has a quoted (escaped) path; patches must "
+                         "use plain ASCII paths")
     for path in touched_paths(text):
         parts = PurePosixPath(path).parts
-        if path.startswith("/") or ".." in parts or ".git" in parts or path.startswith('"'):
+        if path.startswith("/") or ".." in parts or ".git" in parts:
             raise StackError(f"{patch.name}: path {path!r} would be written outside "
                              "the vLLM tree; refusing to apply")
-        if any(path == f or path.startswith(f) for f in FORBIDDEN_PATHS if f.endswith("/")
-               ) or path in FORBIDDEN_PATHS:
+        if any(path == f or (f.endswith("/") and path.startswith(f))
+               for f in FORBIDDEN_PATHS):
             raise StackError(
                 f"{patch.name}: touches {path}, which the prebuilt kernels of the "
                 "pinned wheel are built from; patches must not change it")
@@ -104,7 +114,8 @@ class Header:
 
 def parse_header(patch: Patch) -> Header:
     text = patch.read().decode("utf-8", "replace")
-    message_part = text.split("\n---\n", 1)[0]
+    # The message ends at the diffstat separator or, without a stat, at the diff.
+    message_part = re.split(r"^(?:---$|diff --git )", text, maxsplit=1, flags=re.M)[0]
     msg = email.message_from_string(message_part, policy=email.policy.default)
     subject = " ".join(str(msg.get("Subject", "")).split())
     body = msg.get_payload()

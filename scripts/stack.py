@@ -95,7 +95,10 @@ def guard_tree(layout: Layout, action: str) -> None:
     base = state.get("base_tag")
     if base and has_merges(tree, base):
         raise StackError(f"{where} has merge commits on {BRANCH}; the stack must be linear")
-    if base and (lost := unexported_commits(layout, base)):
+    # Untouched since the last apply or export: every commit is in the project's
+    # history of patches/, even if patches/ has moved on since (a pull).
+    untouched = state.get("status") == "applied" and state.get("applied_head") == head(tree)
+    if base and not untouched and (lost := unexported_commits(layout, base)):
         subjects = [git(tree, "log", "-1", "--format=%h %s", c).stdout.strip() for c in lost]
         raise StackError(
             f"{where} has commits that are not exported to patches/:\n  "
@@ -153,8 +156,8 @@ def _apply_series(layout: Layout, pin: Pin, patches: list[Patch]) -> None:
 
 def _report_failed_patch(layout: Layout, patch: Patch, output: str) -> None:
     tree = layout.tree
-    git(tree, "am", "--abort", check=False)
-    write_state(tree, status="failed", applied_head=head(tree))
+    git(tree, "am", "--abort")
+    write_state(tree, status="failed", applied_head=head(tree), failed_patch=patch.name)
     files = sorted(set(re.findall(r"error: (?:patch failed: )?([^:\s]+)(?::\d+|: )", output)))
     raise StackError(
         f"{patch.name} does not apply to vLLM {load_pin(layout.pin_file).version}"
@@ -221,5 +224,17 @@ def _guard_exportable(layout: Layout) -> None:
     if dirty := dirty_files(tree):
         raise StackError(f"{where} has uncommitted changes ({', '.join(dirty[:5])}); "
                          f"commit them (`git -C {where} commit`) so they can be exported")
-    if has_merges(tree, read_state(tree)["base_tag"]):
+    state = read_state(tree)
+    if has_merges(tree, state["base_tag"]):
         raise StackError(f"{where} has merge commits; the stack must be linear")
+    if state.get("status") == "failed":
+        failed = state.get("failed_patch", "a patch")
+        names = [p.name for p in read_series(layout)]
+        applied = len(commits_since(tree, state["base_tag"]))
+        if applied < len(names):
+            raise StackError(
+                f"the last `make apply` stopped at {failed}; exporting now would drop "
+                f"it and the {len(names) - applied - 1} patch(es) after it from patches/. "
+                f"Apply them in {where} first (`git -C {where} am -3 <patch>`, resolve, "
+                "`git am --continue`), then run `make patches`; or fix the patch file "
+                "and run `make apply`.")

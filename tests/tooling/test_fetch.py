@@ -1,0 +1,203 @@
+"""`fetch`: download through pip's index, verify against pin.toml, quarantine the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tooling.conftest import V1, sha256_file
+
+
+@pytest.fixture
+def remote(project, index):
+    """The project with an empty download cache and an index serving its release."""
+    import shutil
+    shutil.rmtree(project.cache)
+    sdist, wheel = project.release(V1)
+    index.add(sdist, wheel)
+    project.index_url = index.url
+    project.sdist, project.wheel = sdist, wheel
+    return project
+
+
+def cached(proj) -> list[str]:
+    return sorted(p.name for p in proj.downloads.iterdir()) if proj.downloads.exists() else []
+
+
+def quarantined(proj) -> list[str]:
+    return sorted(p.name for p in proj.quarantine.iterdir()) if proj.quarantine.exists() else []
+
+
+def test_fetch_downloads_verifies_and_never_downloads_again(remote, index):
+    result = remote.ok("fetch")
+    sdist, wheel = remote.sdist, remote.wheel
+    assert str(remote.downloads / sdist.name) in result.stdout
+    assert (remote.downloads / sdist.name).read_bytes() == sdist.read_bytes()
+    assert (remote.downloads / wheel.name).read_bytes() == wheel.read_bytes()
+    assert index.downloads(sdist.name) == 1 and index.downloads(wheel.name) == 1
+    assert not any(name.endswith(".part") for name in cached(remote))
+    seen = len(index.requests)
+
+    remote.ok("fetch")
+    remote.ok("apply")  # uses the cached sdist too
+    assert len(index.requests) == seen, index.requests[seen:]
+    assert quarantined(remote) == []
+
+
+def test_fetch_through_a_pep503_html_index(remote, index):
+    index.html = True
+    remote.ok("fetch")
+    assert sha256_file(remote.downloads / remote.sdist.name) == sha256_file(remote.sdist)
+    assert index.requests[0] == "/simple/vllm/"
+
+
+def test_apply_downloads_the_sdist_when_it_is_not_cached(remote, index):
+    remote.ok("apply")
+    assert index.downloads(remote.sdist.name) == 1
+    assert index.downloads(remote.wheel.name) == 0  # apply needs only the sdist
+    assert remote.git("tag") == f"vllm-{V1}"
+
+
+@pytest.mark.parametrize("damage", ["size", "sha256"])
+def test_download_not_matching_the_pin_is_quarantined(remote, index, damage):
+    name = remote.sdist.name
+    good = remote.sdist.read_bytes()
+    # The index lists the pinned hash but serves other bytes (a bad mirror, bit rot).
+    index.listed_sha256[name] = sha256_file(remote.sdist)
+    bad = good + b"junk" if damage == "size" else good[:-1] + bytes([good[-1] ^ 1])
+    index.files[name] = bad
+    result = remote.run("fetch")
+    assert result.returncode == 1
+    assert f"downloaded {name} does not match pin.toml" in result.stderr
+    assert "quarantine" in result.stderr and "not used" in result.stderr
+    assert name not in cached(remote) and f"{name}.part" not in cached(remote)
+    (moved,) = quarantined(remote)
+    assert moved.startswith(name)
+    assert (remote.quarantine / moved).read_bytes() == bad
+    # apply does not build anything from it either.
+    result = remote.run("apply")
+    assert result.returncode == 1 and not remote.tree.exists()
+    assert name not in cached(remote)
+
+
+def test_index_listing_another_hash_is_refused_before_downloading(remote, index):
+    name = remote.sdist.name
+    index.listed_sha256[name] = "0" * 64
+    result = remote.run("fetch")
+    assert result.returncode == 1
+    assert name in result.stderr and "pin.toml" in result.stderr
+    assert index.downloads() == 0
+    assert cached(remote) == []
+
+
+def test_file_missing_from_the_index_is_named(remote, index):
+    del index.files[remote.sdist.name]
+    result = remote.run("fetch")
+    assert result.returncode == 1
+    assert f"no file {remote.sdist.name} for vllm" in result.stderr
+
+
+def test_unreachable_index_names_the_file_and_the_downloads_folder(remote):
+    remote.cache_env = False  # the default cache: <project>/.cache
+    remote.index_url = f"http://127.0.0.1:{_closed_port()}/simple"
+    result = remote.run("fetch")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert f"cannot download {remote.sdist.name}" in result.stderr
+    assert remote.index_url in result.stderr
+    assert ".cache/downloads/" in result.stderr
+    assert not (remote.root / ".cache" / "downloads" / remote.sdist.name).exists()
+
+
+def test_unreachable_index_names_the_configured_downloads_folder(remote):
+    remote.index_url = f"http://127.0.0.1:{_closed_port()}/simple"
+    result = remote.run("fetch")
+    assert result.returncode == 1
+    assert str(remote.downloads) in result.stderr
+
+
+def test_a_part_file_left_behind_is_never_taken_as_good(remote, index):
+    name = remote.sdist.name
+    remote.downloads.mkdir(parents=True)
+    good = remote.sdist.read_bytes()
+    # Even a complete .part (interrupted before its rename) is not trusted.
+    (remote.downloads / f"{name}.part").write_bytes(good)
+    served_url, remote.index_url = remote.index_url, f"http://127.0.0.1:{_closed_port()}/simple"
+    result = remote.run("apply")
+    assert result.returncode == 1 and name in result.stderr
+    assert not remote.tree.exists()
+    assert name not in cached(remote)
+
+    remote.index_url = served_url
+    remote.ok("fetch")
+    assert index.downloads(name) == 1
+    assert (remote.downloads / name).read_bytes() == good
+    assert f"{name}.part" not in cached(remote)
+
+
+def test_a_connection_closed_early_is_never_taken_as_good(remote, index):
+    name = remote.sdist.name
+    index.truncate.add(name)
+    result = remote.run("fetch")
+    assert result.returncode == 1
+    assert name in result.stderr and "Traceback" not in result.stderr
+    assert name not in cached(remote)
+    # Retrying once the server behaves gives the verified file.
+    index.truncate.clear()
+    remote.ok("fetch")
+    assert sha256_file(remote.downloads / name) == sha256_file(remote.sdist)
+
+
+def test_a_chunked_download_cut_mid_way_fails_cleanly(remote, index):
+    name = remote.sdist.name
+    index.chunked_cut.add(name)
+    result = remote.run("fetch")
+    assert result.returncode != 0
+    assert name not in cached(remote)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert name in result.stderr
+
+
+def test_a_corrupt_cached_file_is_quarantined_and_downloaded_again(remote, index):
+    name = remote.sdist.name
+    remote.downloads.mkdir(parents=True)
+    (remote.downloads / name).write_bytes(b"not a tarball")
+    result = remote.ok("fetch")
+    assert f"cached {name} does not match pin.toml" in result.stderr
+    assert index.downloads(name) == 1
+    assert sha256_file(remote.downloads / name) == sha256_file(remote.sdist)
+    (moved,) = quarantined(remote)
+    assert (remote.quarantine / moved).read_bytes() == b"not a tarball"
+
+
+def test_a_cached_file_changed_after_verification_is_not_trusted(remote, index):
+    remote.ok("fetch")
+    name = remote.sdist.name
+    path = remote.downloads / name
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))  # same size, new mtime: the .verified stamp is stale
+    remote.ok("fetch")
+    assert index.downloads(name) == 2
+    assert sha256_file(path) == sha256_file(remote.sdist)
+
+
+def _closed_port() -> int:
+    from tests.tooling.conftest import free_port
+    return free_port()
+
+
+def test_quarantine_keeps_every_rejected_file(tmp_path, monkeypatch):
+    import time as time_module
+
+    from scripts.common import Layout
+    from scripts.fetch import _quarantine
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(time_module, "strftime", lambda *a: "20250101T000000")
+    layout = Layout(tmp_path)
+    downloads = tmp_path / "cache" / "downloads"
+    downloads.mkdir(parents=True)
+    for content in (b"first", b"second"):
+        (downloads / "vllm-0.1.0.tar.gz").write_bytes(content)
+        _quarantine(layout, downloads / "vllm-0.1.0.tar.gz")
+    kept = sorted(p.read_bytes() for p in (tmp_path / "cache" / "quarantine").iterdir())
+    assert kept == [b"first", b"second"]

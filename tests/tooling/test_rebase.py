@@ -1,0 +1,158 @@
+"""`rebase <version>`: move the stack onto another (fake) release served by the index."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.pin import Pin, render_pin
+from tests.tooling.conftest import (
+    FOO_V1,
+    PATCH_1,
+    PATCH_2,
+    SUBJECT_1,
+    SUBJECT_2,
+    V1,
+    V2,
+    artifact_of,
+    release_files,
+)
+
+COMMIT_V2 = "g7654321"
+# Upstream changed a line inside patch 1's context, two lines away from its change:
+# plain `git am` fails, a 3-way merge succeeds.
+FOO_V2_MERGEABLE = FOO_V1.replace("def forward(x):", "def forward(x, scale=1):")
+# Upstream changed the very line patch 1 changes: a real conflict.
+FOO_V2_CONFLICT = FOO_V1.replace("BLOCK = 16", "BLOCK = 32")
+
+
+@pytest.fixture
+def upstream(stacked, index):
+    """Serve 0.1.0 and a 0.2.0 whose foo.py is `foo_v2`; returns a setter."""
+    index.add(*stacked.release(V1))
+
+    def publish(foo_v2: str):
+        files = release_files(V2, COMMIT_V2)
+        files["vllm/models/foo.py"] = foo_v2.encode()
+        sdist, wheel = stacked.release(V2, files, commit=COMMIT_V2)
+        index.add(sdist, wheel)
+        stacked.index_url = index.url
+        return sdist, wheel
+    return publish
+
+
+def subjects(proj, base: str) -> list[str]:
+    return proj.git("log", "--reverse", "--format=%s", f"{base}..HEAD").splitlines()
+
+
+def test_rebase_with_a_3way_merge_succeeds(stacked, upstream, index):
+    sdist, wheel = upstream(FOO_V2_MERGEABLE)
+    old_head = stacked.head()
+    old_patch_2 = (stacked.patches / PATCH_2).read_bytes()
+    result = stacked.ok("rebase", V2)
+    assert f"rebased onto vLLM {V2}; pin.toml updated" in result.stdout
+    # pin.toml: the new release with the index's sizes and hashes, the upstream commit.
+    expected = Pin(V2, COMMIT_V2, f"vllm-{V2}", artifact_of(sdist), artifact_of(wheel))
+    assert (stacked.root / "pin.toml").read_text() == render_pin(expected)
+    assert index.downloads(sdist.name) == 1 and index.downloads(wheel.name) == 0
+    # The patches were re-exported onto the new release, the series kept.
+    assert stacked.series() == [PATCH_1, PATCH_2]
+    patch_1 = (stacked.patches / PATCH_1).read_text()
+    assert " def forward(x, scale=1):" in patch_1 and "+BLOCK = 64" in patch_1
+    assert (stacked.patches / PATCH_2).read_bytes() == old_patch_2
+    # build/vllm: stack on the new tag, the old stack kept as a branch.
+    tree = stacked
+    assert tree.git("symbolic-ref", "--short", "HEAD") == "stack"
+    assert tree.git("rev-parse", f"stack-{V1}") == old_head
+    assert tree.git("rev-parse", f"vllm-{V2}^") == tree.git("rev-parse", f"vllm-{V1}")
+    assert subjects(tree, f"vllm-{V2}") == [SUBJECT_1, SUBJECT_2]
+    assert tree.git("branch", "--list", f"rebase-{V2}") == ""
+    assert tree.git("status", "--porcelain", "--untracked-files=all") == ""
+    state = tree.state()
+    assert state["base_tag"] == f"vllm-{V2}" and state.get("rebase") is None
+    assert state["base_sdist_sha256"] == expected.sdist.sha256
+    assert (tree.tree / "vllm/_version.py").read_text().startswith(
+        f"__version__ = version = '{V2}'")
+    assert (tree.tree / "vllm/models/foo.py").read_text() == \
+        FOO_V2_MERGEABLE.replace("BLOCK = 16", "BLOCK = 64")
+    assert stacked.manifest()["vllm_version"] == V2
+    # The stack is consistent afterwards.
+    assert "check OK: 2 patch(es)" in stacked.ok("check").stdout
+    assert "2 patch(es) already applied" in stacked.ok("apply").stdout
+
+
+def test_rebase_names_the_3way_merged_patch_for_review(stacked, upstream):
+    upstream(FOO_V2_MERGEABLE)
+    result = stacked.ok("rebase", V2)
+    assert f"applied {PATCH_1} (3-way merged: review it)" in result.stdout
+    assert f"review the 3-way merged patches: {PATCH_1}" in result.stdout
+
+
+def test_rebase_stops_at_a_conflict_then_finishes_after_resolution(stacked, upstream):
+    sdist, wheel = upstream(FOO_V2_CONFLICT)
+    pin_before = (stacked.root / "pin.toml").read_bytes()
+    patches_before = stacked.patch_bytes()
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert f"{PATCH_1} conflicts with vLLM {V2} in: vllm/models/foo.py" in result.stderr
+    assert f"make rebase VLLM_VERSION={V2}" in result.stderr
+    assert (stacked.root / "pin.toml").read_bytes() == pin_before
+    assert stacked.patch_bytes() == patches_before
+    assert stacked.git("rev-parse", f"stack-{V1}")  # the old stack is kept
+    assert (stacked.tree / ".git" / "rebase-apply").exists()
+
+    # While the rebase is stopped, apply refuses and another version is refused.
+    blocked = stacked.run("apply")
+    assert blocked.returncode == 1 and "git am` is in progress" in blocked.stderr
+    other = stacked.run("rebase", "0.3.0")
+    assert other.returncode == 1
+    assert f"a rebase to vLLM {V2} is in progress" in other.stderr
+
+    # Resolve as a maintainer would, then go on.
+    resolved = FOO_V2_CONFLICT.replace("BLOCK = 32", "BLOCK = 64")
+    (stacked.tree / "vllm/models/foo.py").write_text(resolved)
+    stacked.git("add", "vllm/models/foo.py")
+    result = stacked.ok("rebase", V2)
+    assert f"resolved {PATCH_1}" in result.stdout
+    assert f"rebased onto vLLM {V2}; pin.toml updated" in result.stdout
+    expected = Pin(V2, COMMIT_V2, f"vllm-{V2}", artifact_of(sdist), artifact_of(wheel))
+    assert (stacked.root / "pin.toml").read_text() == render_pin(expected)
+    assert stacked.series() == [PATCH_1, PATCH_2]
+    patch_1 = (stacked.patches / PATCH_1).read_text()
+    assert "-BLOCK = 32\n+BLOCK = 64\n" in patch_1
+    assert (stacked.patches / PATCH_2).read_bytes() == patches_before[PATCH_2]
+    assert (stacked.tree / "vllm/models/foo.py").read_text() == resolved
+    assert subjects(stacked, f"vllm-{V2}") == [SUBJECT_1, SUBJECT_2]
+    assert not (stacked.tree / ".git" / "rebase-apply").exists()
+    assert stacked.state().get("rebase") is None
+    assert "check OK: 2 patch(es)" in stacked.ok("check").stdout
+
+
+def test_rebase_to_a_version_the_index_lacks_changes_nothing(stacked, upstream):
+    upstream(FOO_V2_MERGEABLE)
+    head, pin = stacked.head(), (stacked.root / "pin.toml").read_bytes()
+    result = stacked.run("rebase", "0.9.0")
+    assert result.returncode == 1
+    assert "cannot download vllm-0.9.0.tar.gz" in result.stderr
+    assert (stacked.root / "pin.toml").read_bytes() == pin
+    assert stacked.head() == head
+    assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack"
+    assert stacked.git("tag") == f"vllm-{V1}"
+
+
+def test_rebase_refuses_the_current_version_and_bad_input(stacked):
+    result = stacked.run("rebase", V1)
+    assert result.returncode == 1 and f"already on vLLM {V1}" in result.stderr
+    result = stacked.run("rebase", "../1.0")
+    assert result.returncode == 1 and "is not a vLLM version" in result.stderr
+
+
+def test_rebase_refuses_unexported_work(stacked, upstream):
+    upstream(FOO_V2_MERGEABLE)
+    (stacked.tree / "vllm/models/bar.py").write_text("# wip\n")
+    pin = (stacked.root / "pin.toml").read_bytes()
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1
+    assert "vllm/models/bar.py" in result.stderr and "make rebase" in result.stderr
+    assert (stacked.tree / "vllm/models/bar.py").read_text() == "# wip\n"
+    assert (stacked.root / "pin.toml").read_bytes() == pin
