@@ -51,6 +51,67 @@ def _fake_props(mode: str):
     )
 
 
+class _TritonDriverStub:
+    """Answers Triton's target queries without a GPU driver (nothing launches)."""
+
+    def __init__(self, backend: str, arch, warp_size: int) -> None:
+        self._target = SimpleNamespace(backend=backend, arch=arch, warp_size=warp_size)
+        self.utils = SimpleNamespace(
+            get_device_properties=lambda i: {
+                "max_shared_mem": 64 << 10,
+                "multiprocessor_count": 1,
+            }
+        )
+
+    def get_current_target(self):
+        return self._target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def is_active(self) -> bool:
+        return True
+
+
+def _install_triton_driver_stub(mode: str, props) -> None:
+    try:
+        import triton.runtime.driver as driver
+    except ImportError:
+        return
+    if mode.startswith("rocm"):
+        stub = _TritonDriverStub("hip", props.gcnArchName.split(":")[0], 64)
+    else:
+        stub = _TritonDriverStub("cuda", props.major * 10 + props.minor, 32)
+    driver.set_active(stub)
+
+
+class _NoPrefillBackend:
+    """Placeholder MLA prefill backend when none is installable on this box
+    (ROCm wants aiter or flash-attn). Draft blocks here are decode-only."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    @staticmethod
+    def get_name() -> str:
+        return "HARNESS_NO_PREFILL"
+
+    def __getattr__(self, name):
+        raise NotImplementedError(f"harness has no MLA prefill backend ({name})")
+
+
+def _stub_missing_prefill_backend(platform) -> None:
+    real = platform.get_mla_prefill_backend_cls
+
+    def get_mla_prefill_backend_cls(selector_config):
+        try:
+            return real(selector_config)
+        except ValueError:
+            return _NoPrefillBackend
+
+    platform.get_mla_prefill_backend_cls = get_mla_prefill_backend_cls
+
+
 def activate(mode: str) -> None:
     global _ACTIVE
     if mode not in MODES:
@@ -81,6 +142,8 @@ def activate(mode: str) -> None:
     # A CUDA build of torch without a driver raises here; nothing is captured.
     torch.cuda.is_current_stream_capturing = lambda: False
 
+    _install_triton_driver_stub(mode, props)
+
     import vllm.platforms as platforms
 
     if mode.startswith("rocm"):
@@ -93,6 +156,10 @@ def activate(mode: str) -> None:
         platform = CudaPlatform()
     # The device is the CPU: tensors live there, the kernels are references.
     platform.device_type = "cpu"
+    # vLLM's own custom ops (unified attention, cache update) register under
+    # the platform's dispatch key; our tensors are CPU tensors.
+    platform.dispatch_key = "CPU"
+    _stub_missing_prefill_backend(platform)
     platforms._current_platform = platform
 
     from . import ops

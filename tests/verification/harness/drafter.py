@@ -1,0 +1,409 @@
+"""A tiny synthetic K3 DSpark draft: config, checkpoint, construction, caches.
+
+Runs inside an emulated process (see ``platform.activate``). The drafter class
+is whatever the platform resolves (``platform_module``): the NVIDIA module
+everywhere in pristine 0.33.0, the AMD module on ROCm once the stack lands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+# Small but structurally faithful: q-LoRA, rope 16 (interleaved pairs), 2 draft
+# layers, 4 heads. Vocab is a multiple of 64 so no head is padded.
+DIMS = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    vocab_size=128,
+    markov_rank=8,
+    target_hidden_size=40,
+    target_layer_ids=[1, 3],
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+TARGET_LAYERS = 7  # start_layer_id of the draft layers
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 50000.0}
+
+
+def make_hf_config(
+    *,
+    rope: str = "yarn",
+    confidence: bool = True,
+    num_layers: int = 2,
+    **overrides,
+):
+    from vllm.transformers_utils.configs.k3_dspark import K3DSparkConfig
+
+    kw = dict(DIMS)
+    kw.update(
+        num_hidden_layers=num_layers,
+        num_target_layers=len(DIMS["target_layer_ids"]),
+        rope_parameters=dict(YARN if rope == "yarn" else DEFAULT_ROPE),
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=confidence,
+        hidden_act="silu",
+        architectures=["K3DSparkModel"],
+        torch_dtype="bfloat16",
+    )
+    kw.update(overrides)
+    return K3DSparkConfig(**kw)
+
+
+def checkpoint_tensors(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Synthetic weights under the released checkpoint's names (layer-local
+    indices, q_a/kv_a and gate/up unfused, target embedding + LM head included
+    because the shipped checkpoint carries them). Every tensor is random and
+    nonzero, so a parameter left at its init value is detectable."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=None):
+        fan_in = shape[-1]
+        s = scale if scale is not None else fan_in**-0.5
+        return (torch.randn(*shape, generator=g) * s).to(torch.bfloat16)
+
+    def norm(n):
+        return (1.0 + 0.2 * torch.randn(n, generator=g)).to(torch.bfloat16)
+
+    H, V = cfg.hidden_size, cfg.vocab_size
+    nh, dn, dr, dv = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    )
+    t: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": w(V, H, scale=1.0),
+        "lm_head.weight": w(V, H),
+        "context_proj.weight": w(H, cfg.target_hidden_size * cfg.num_target_layers),
+        "context_norm.weight": norm(H),
+        "final_norm.weight": norm(H),
+        "markov_head.markov_w1.weight": w(V, cfg.markov_rank, scale=1.0),
+        "markov_head.markov_w2.weight": w(V, cfg.markov_rank),
+    }
+    if getattr(cfg, "enable_confidence_head", False):
+        in_dim = H + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+        t["confidence_head.proj.weight"] = w(1, in_dim)
+        t["confidence_head.proj.bias"] = w(1, scale=0.5)
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        t |= {
+            p + "input_layernorm.weight": norm(H),
+            p + "post_attention_layernorm.weight": norm(H),
+            p + "self_attn.q_a_proj.weight": w(cfg.q_lora_rank, H),
+            p + "self_attn.kv_a_proj_with_mqa.weight": w(cfg.kv_lora_rank + dr, H),
+            p + "self_attn.q_a_layernorm.weight": norm(cfg.q_lora_rank),
+            p + "self_attn.kv_a_layernorm.weight": norm(cfg.kv_lora_rank),
+            p + "self_attn.q_b_proj.weight": w(nh * (dn + dr), cfg.q_lora_rank),
+            p + "self_attn.kv_b_proj.weight": w(nh * (dn + dv), cfg.kv_lora_rank),
+            p + "self_attn.o_proj.weight": w(H, nh * dv),
+            p + "mlp.gate_proj.weight": w(cfg.intermediate_size, H),
+            p + "mlp.up_proj.weight": w(cfg.intermediate_size, H),
+            p + "mlp.down_proj.weight": w(H, cfg.intermediate_size),
+        }
+    return t
+
+
+def write_checkpoint(cfg, path: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    tensors = checkpoint_tensors(cfg, seed)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    cfg.save_pretrained(path)
+    return tensors
+
+
+def read_checkpoint(path: str):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            yield name, f.get_tensor(name)
+
+
+_DIST = {"ready": False}
+
+
+def _init_dist() -> None:
+    if _DIST["ready"]:
+        return
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with tempfile.NamedTemporaryFile(delete=False) as f:
+        init_file = f.name
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"file://{init_file}",
+        local_rank=0,
+        backend="gloo",
+    )
+    initialize_model_parallel(1, 1)
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    # The GPU model runner does this; the context-KV path takes scratch from it.
+    init_workspace_manager(torch.device("cpu"))
+    _DIST["ready"] = True
+
+
+class _ConfigStub(SimpleNamespace):
+    """Stand-in for a sub-config the drafter's layers only glance at. Unknown
+    fields read as None (recorded in ``unknown``) instead of raising."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self.__dict__.setdefault("unknown", set()).add(name)
+        return None
+
+
+def make_vllm_config(hf_config, *, cache_dtype: str = "auto", block_size: int = 16):
+    from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
+
+    vllm_config = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=64,
+            max_num_seqs=4,
+            max_model_len=256,
+            is_encoder_decoder=False,
+        ),
+    )
+    draft_model_config = _ConfigStub(
+        hf_config=hf_config,
+        hf_text_config=hf_config,
+        quantization=None,
+        dtype=torch.bfloat16,
+        model="synthetic/k3-dspark",
+        max_model_len=256,
+    )
+    target_model_config = _ConfigStub(
+        get_total_num_hidden_layers=lambda: TARGET_LAYERS,
+        dtype=torch.bfloat16,
+        hf_config=hf_config,
+        hf_text_config=hf_config,
+        max_model_len=256,
+        quantization=None,
+        is_encoder_decoder=False,
+        use_mla=True,
+        uses_mrope=False,
+        enforce_eager=True,
+        is_moe=False,
+        is_hybrid=False,
+    )
+    object.__setattr__(
+        vllm_config,
+        "speculative_config",
+        _ConfigStub(
+            draft_model_config=draft_model_config,
+            method="dspark",
+            num_speculative_tokens=4,
+            enable_adaptive_verification=False,
+            attention_backend="TRITON_MLA",
+        ),
+    )
+    object.__setattr__(vllm_config, "model_config", target_model_config)
+    return vllm_config
+
+
+@dataclass
+class Draft:
+    model: torch.nn.Module
+    vllm_config: object
+    hf_config: object
+    checkpoint: dict[str, torch.Tensor]
+    loaded: set[str]
+    caches: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def layers(self):
+        return list(self.model.model.layers)
+
+    def cache_layers(self):
+        """The modules that own each draft layer's KV cache (the seam)."""
+        return [cache_owner(layer.self_attn) for layer in self.layers]
+
+
+def cache_owner(self_attn):
+    """NVIDIA: ``MultiHeadLatentAttention`` owns the cache itself. AMD: the
+    wrapper's inner generic ``MLAAttention`` (``self_attn.mla_attn``) does."""
+    return getattr(self_attn, "mla_attn", self_attn)
+
+
+def drafter_class():
+    """The class the registry resolves for ``K3DSparkModel`` on this platform."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    return ModelRegistry._try_load_model_cls("K3DSparkModel")
+
+
+@contextlib.contextmanager
+def config_context(vllm_config):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config):
+        yield
+
+
+def build(
+    *,
+    rope: str = "yarn",
+    confidence: bool = True,
+    cache_dtype: str = "auto",
+    num_layers: int = 2,
+    seed: int = 0,
+    cls=None,
+    checkpoint_dir: str | None = None,
+) -> Draft:
+    """Construct the drafter, write + load a synthetic checkpoint through the
+    real ``load_weights`` / ``process_weights_after_loading``."""
+    torch.set_default_dtype(torch.bfloat16)
+    hf_config = make_hf_config(rope=rope, confidence=confidence, num_layers=num_layers)
+    vllm_config = make_vllm_config(hf_config, cache_dtype=cache_dtype)
+    cls = cls or drafter_class()
+    checkpoint_dir = checkpoint_dir or tempfile.mkdtemp(prefix="k3-dspark-ckpt-")
+    tensors = write_checkpoint(hf_config, checkpoint_dir, seed)
+    with config_context(vllm_config):
+        _init_dist()
+        model = cls(vllm_config=vllm_config, prefix="")
+        loaded = model.load_weights(read_checkpoint(checkpoint_dir))
+        for module in model.modules():
+            if module is model:
+                continue
+            pwal = getattr(module, "process_weights_after_loading", None)
+            if pwal is None:
+                continue
+            if hasattr(module, "kv_cache") or hasattr(module, "impl"):
+                pwal(torch.bfloat16)  # attention layers take the act dtype
+        _quant_pwal(model)
+        model.process_weights_after_loading()
+    return Draft(model, vllm_config, hf_config, tensors, set(loaded))
+
+
+def _quant_pwal(model) -> None:
+    """What the model loader does for every linear after loading."""
+    for module in model.modules():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None and hasattr(
+            quant_method, "process_weights_after_loading"
+        ):
+            quant_method.process_weights_after_loading(module)
+
+
+def allocate_caches(
+    draft: Draft,
+    *,
+    num_blocks: int = 6,
+    block_size: int = 16,
+    layouts: list[tuple[int, int]] | None = None,
+    registry=None,
+) -> list[torch.Tensor]:
+    """Allocate and bind one paged latent cache per draft layer, the way the
+    runner does ([blocks, 1, block_size, width] bound, squeezed by the layer).
+
+    ``layouts`` optionally gives (num_blocks, block_size) per layer for a
+    non-uniform layout. Caches are registered with the emulated memory map.
+    """
+    from . import ops
+
+    registry = registry or ops.REGISTRY
+    caches = []
+    for i, owner in enumerate(draft.cache_layers()):
+        nb, bs = layouts[i] if layouts else (num_blocks, block_size)
+        width = owner.kv_lora_rank + owner.qk_rope_head_dim
+        dtype = (
+            torch.uint8 if owner.kv_cache_dtype.startswith("fp8") else torch.bfloat16
+        )
+        # Fill with a sentinel so untouched entries are recognisable.
+        raw = torch.full(
+            (nb, 1, bs, width), 0x7F if dtype == torch.uint8 else 0, dtype=dtype
+        )
+        if dtype != torch.uint8:
+            raw.fill_(-7.0)
+        owner.bind_kv_cache(raw)
+        registry.register(owner.kv_cache)
+        caches.append(owner.kv_cache)
+    draft.caches = caches
+    return caches
+
+
+def free_caches(draft: Draft, registry=None) -> None:
+    from . import ops
+
+    registry = registry or ops.REGISTRY
+    for cache in draft.caches:
+        if registry.is_live(cache):
+            registry.free(cache)
+
+
+def rope_mapping(rope_parameters: dict) -> tuple[str, float]:
+    """Independent statement of the required RoPE mapping: (rope_type, softmax
+    scale multiplier). Written from the requirements, not from vLLM."""
+    rp = dict(rope_parameters)
+    if rp["rope_type"] == "default":
+        return "default", 1.0
+    if rp.get("attention_factor") == 1.0:
+        return "deepseek_llama_scaling", 1.0
+    factor = rp["factor"]
+    mscale = (
+        1.0 if factor <= 1 else 0.1 * rp.get("mscale_all_dim", 0) * math.log(factor) + 1
+    )
+    return "deepseek_yarn", mscale * mscale
+
+
+def warm_up() -> None:
+    """Import everything a build touches (run once in the zygote)."""
+    build(rope="yarn", confidence=True)
+    try:
+        import vllm.models.kimi_k3.amd.dspark_mla  # noqa: F401
+    except ImportError:
+        pass
+
+
+def drafter_cls(which: str):
+    """``nvidia``: the NVIDIA module; ``amd``: the ROCm module (stack step 3)."""
+    import importlib
+
+    module = importlib.import_module(f"vllm.models.kimi_k3.{which}.dspark_mla")
+    return module.K3DSparkForCausalLM
+
+
+def context_inputs(cfg, num_tokens: int = 10, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    states = torch.randn(num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    positions = torch.randint(
+        0, cfg.max_position_embeddings, (num_tokens,), generator=g
+    )
+    return states, positions
+
+
+def distinct_slots(num_tokens: int, total: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(total, generator=g)[:num_tokens].to(torch.int64)

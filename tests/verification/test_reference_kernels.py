@@ -1,0 +1,209 @@
+"""Each reference kernel against a case computed by hand.
+
+These run in the pytest process (the reference kernels import nothing from
+vLLM). They guard the harness itself: every end-to-end check trusts them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.verification.harness import reference as R
+
+BF16 = torch.bfloat16
+
+
+def test_concat_and_cache_mla_bf16_scatter_by_slot():
+    kv_c = torch.tensor([[1.0, 2.0], [5.0, 6.0]], dtype=BF16)
+    k_pe = torch.tensor([[3.0, 4.0], [7.0, 8.0]], dtype=BF16)
+    cache = torch.zeros(2, 2, 4, dtype=BF16)  # 2 blocks of 2 slots
+    # token 0 -> slot 3 (block 1, offset 1); token 1 padded (-1)
+    R.concat_and_cache_mla(
+        kv_c, k_pe, cache, torch.tensor([3, -1]), "auto", torch.ones(1)
+    )
+    want = torch.zeros(2, 2, 4, dtype=BF16)
+    want[1, 1] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert torch.equal(cache, want)
+
+
+def test_concat_and_cache_mla_fp8_with_scale():
+    kv_c = torch.tensor([[1.0, -3.0]], dtype=BF16)
+    k_pe = torch.tensor([[1000.0, 0.5]], dtype=BF16)
+    cache = torch.zeros(1, 2, 4, dtype=torch.uint8)
+    R.concat_and_cache_mla(
+        kv_c,
+        k_pe,
+        cache,
+        torch.tensor([1]),
+        "fp8",
+        torch.tensor([0.5]),
+        fp8_dtype=torch.float8_e4m3fn,
+    )
+    # x / 0.5: 2, -6, 2000 -> saturates at 448, 1
+    assert cache[0, 1].view(torch.float8_e4m3fn).float().tolist() == [
+        2.0,
+        -6.0,
+        448.0,
+        1.0,
+    ]
+    assert cache[0, 0].tolist() == [0, 0, 0, 0]
+    # fnuz (MI300) saturates at 240
+    cache.zero_()
+    R.concat_and_cache_mla(
+        kv_c,
+        k_pe,
+        cache,
+        torch.tensor([0]),
+        "fp8",
+        torch.tensor([0.5]),
+        fp8_dtype=torch.float8_e4m3fnuz,
+    )
+    assert cache[0, 0].view(torch.float8_e4m3fnuz).float().tolist() == [
+        2.0,
+        -6.0,
+        240.0,
+        1.0,
+    ]
+
+
+def test_concat_and_cache_mla_reads_fp32_k_pe_as_bf16_bits():
+    """An fp32 k_pe handed to the bf16-dispatched kernel is read as bf16 halves
+    (little endian: low half first), at bf16 offsets: the review's defect."""
+    kv_c = torch.tensor([[1.0, 2.0]], dtype=BF16)
+    k_pe = torch.tensor([[3.0, 1.0 + 2**-20]], dtype=torch.float32)
+    cache = torch.zeros(1, 1, 4, dtype=BF16)
+    R.concat_and_cache_mla(kv_c, k_pe, cache, torch.tensor([0]), "auto", torch.ones(1))
+    # 3.0f = 0x40400000 -> halves 0x0000 (0.0), 0x4040 (3.0)
+    assert cache[0, 0].tolist() == [1.0, 2.0, 0.0, 3.0]
+
+
+def test_grouped_insert_writes_through_live_base_addresses():
+    reg = R.LiveCacheRegistry()
+    caches = [reg.register(torch.zeros(2, 2, 3, dtype=BF16)) for _ in range(2)]
+    kv_c = torch.tensor([[[1.0, 2.0]], [[4.0, 5.0]]], dtype=BF16)  # [L=2, T=1, 2]
+    k_pe = torch.tensor([[[3.0]], [[6.0]]], dtype=BF16)
+    ptrs = torch.tensor([c.data_ptr() for c in caches])
+    slots = torch.tensor([[2], [1]])
+    R.concat_and_cache_mla_grouped(
+        kv_c,
+        k_pe,
+        ptrs,
+        slots,
+        2,
+        caches[0].stride(0),
+        caches[0].stride(1),
+        None,
+        "auto",
+        registry=reg,
+        rocm=True,
+    )
+    assert caches[0][1, 0].tolist() == [1.0, 2.0, 3.0]
+    assert caches[1][0, 1].tolist() == [4.0, 5.0, 6.0]
+    assert caches[0].count_nonzero() == 3 and caches[1].count_nonzero() == 3
+
+
+def test_grouped_insert_detects_write_through_freed_cache():
+    reg = R.LiveCacheRegistry()
+    old = reg.register(torch.zeros(2, 2, 3, dtype=BF16))
+    ptrs = torch.tensor([old.data_ptr()])
+    reg.free(old)
+    reg.register(torch.zeros(2, 2, 3, dtype=BF16))
+    args = (
+        torch.ones(1, 1, 2, dtype=BF16),
+        torch.ones(1, 1, 1, dtype=BF16),
+        ptrs,
+        torch.tensor([[0]]),
+        2,
+        6,
+        3,
+        None,
+        "auto",
+    )
+    with pytest.raises(R.StaleCachePointerError, match="freed"):
+        R.concat_and_cache_mla_grouped(*args, registry=reg, rocm=True)
+    assert old.count_nonzero() == 0
+    with pytest.raises(R.StaleCachePointerError, match="not the base"):
+        R.concat_and_cache_mla_grouped(
+            *args[:2], torch.tensor([12345]), *args[3:], registry=reg, rocm=True
+        )
+
+
+def test_grouped_insert_fp8_scales_and_rocm_e5m2_rejection():
+    reg = R.LiveCacheRegistry()
+    caches = [reg.register(torch.zeros(1, 1, 2, dtype=torch.uint8)) for _ in range(2)]
+    kv_c = torch.tensor([[[8.0]], [[8.0]]], dtype=BF16)
+    k_pe = torch.tensor([[[-2.0]], [[-2.0]]], dtype=BF16)
+    ptrs = torch.tensor([c.data_ptr() for c in caches])
+    slots = torch.zeros(2, 1, dtype=torch.int64)
+    R.concat_and_cache_mla_grouped(
+        kv_c,
+        k_pe,
+        ptrs,
+        slots,
+        1,
+        2,
+        2,
+        torch.tensor([2.0, 4.0]),
+        "fp8",
+        registry=reg,
+        rocm=True,
+        fp8_dtype=torch.float8_e4m3fn,
+    )
+    assert caches[0].view(torch.float8_e4m3fn).float().flatten().tolist() == [4.0, -1.0]
+    assert caches[1].view(torch.float8_e4m3fn).float().flatten().tolist() == [2.0, -0.5]
+    with pytest.raises(RuntimeError, match="fp8_e5m2"):
+        R.concat_and_cache_mla_grouped(
+            kv_c,
+            k_pe,
+            ptrs,
+            slots,
+            1,
+            2,
+            2,
+            torch.tensor([2.0, 4.0]),
+            "fp8_e5m2",
+            registry=reg,
+            rocm=True,
+        )
+    R.concat_and_cache_mla_grouped(  # the CUDA build takes it
+        kv_c,
+        k_pe,
+        ptrs,
+        slots,
+        1,
+        2,
+        2,
+        torch.tensor([2.0, 4.0]),
+        "fp8_e5m2",
+        registry=reg,
+        rocm=False,
+    )
+    assert caches[0].view(torch.float8_e5m2).float().flatten().tolist() == [4.0, -1.0]
+
+
+def test_rms_norm_per_layer_weights():
+    x = torch.tensor([[[3.0, 4.0]], [[1.0, 1.0]]])  # [L=2, T=1, H=2]
+    w = torch.tensor([[1.0, 2.0], [3.0, 3.0]])
+    out = torch.empty_like(x)
+    R.rms_norm(out, x, w, 0.0)
+    # rms(3,4) = sqrt(12.5); rms(1,1) = 1
+    s = math.sqrt(12.5)
+    torch.testing.assert_close(out, torch.tensor([[[3 / s, 8 / s]], [[3.0, 3.0]]]))
+
+
+def test_rotary_embedding_interleaved_in_place():
+    # rot_dim 4: pairs (0,1) and (2,3); position 1 uses row 1 of the table.
+    cos_sin = torch.tensor([[1.0, 1.0, 0.0, 0.0], [0.0, 0.5, 1.0, 0.0]])
+    q = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]], dtype=BF16)  # [T=1, heads=1, 4]
+    R.rotary_embedding(torch.tensor([1]), q, None, 4, cos_sin, is_neox=False)
+    # pair0: cos 0 sin 1 -> (x*0 - y*1, y*0 + x*1) = (-2, 1)
+    # pair1: cos .5 sin 0 -> (1.5, 2)
+    assert q.dtype == BF16
+    assert q.flatten().tolist() == [-2.0, 1.0, 1.5, 2.0]
+    k = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=BF16)
+    R.rotary_embedding(torch.tensor([1]), k, None, 4, cos_sin, is_neox=True)
+    # neox pairs (0,2) and (1,3): (1,3)->cos0 sin1 -> (-3, 1); (2,4)->(1, 2)
+    assert k.flatten().tolist() == [-3.0, 1.0, 1.0, 2.0]
