@@ -26,7 +26,6 @@ from scripts.lint import run_lints
 from scripts.venv import venv_python
 
 REGRESSION_LIST = "tests/vllm_regression.txt"
-CPU_PLUGIN = "tests.support.vllm_cpu_plugin"
 
 
 @dataclass
@@ -84,13 +83,10 @@ def _regression_args(layout: Layout, already_run: list[str]) -> list[str]:
 
 def _pytest(layout: Layout, suite: str, args: list[str], cwd: Path,
             results_dir: Path) -> Outcome:
-    in_vllm_tree = cwd == layout.tree
     xml = results_dir / f"{suite}.xml"
     xml.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(layout.root), "K3_PROJECT_ROOT": str(layout.root)}
-    # vLLM's own tests need the CPU-machine plugin; ours set up what they need.
-    plugin = ["-p", CPU_PLUGIN] if in_vllm_tree else []
-    cmd = [str(venv_python(layout)), "-m", "pytest", *plugin, "-q",
+    cmd = [str(venv_python(layout)), "-m", "pytest", "-q", "-p", "no:cacheprovider",
            f"--junitxml={xml}", *args]
     say(f"\n=== {suite}: pytest {' '.join(args)}  (in {cwd})")
     start = time.monotonic()
