@@ -1,0 +1,396 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Rejection sampling must stay lossless when the draft logits are not finite.
+
+A drafter with a corrupted state (say, a KV cache full of huge values) emits
+NaN or +/-inf logits. Verification must then accept nothing at or after the
+first such draft position and resample from the target distribution alone, so
+that a broken drafter can only lower the acceptance rate, never change the
+output distribution.
+
+On a GPU the kernels run compiled. Without one, they run on CPU tensors in
+Triton's interpreter, in a spawned worker process: Triton picks the interpreter
+when a kernel is decorated, so it has to be on before vLLM is imported, and the
+worker keeps it out of this process and out of other tests.
+"""
+
+import multiprocessing
+import types
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+tl = pytest.importorskip("triton.language")
+pytestmark = pytest.mark.skip_global_cleanup
+
+NAN, INF = float("nan"), float("inf")
+
+# One target distribution per position. They differ, so that a token drawn from
+# the wrong position's distribution is as visible as one drawn from no
+# distribution at all.
+TARGET_PROBS = torch.tensor(
+    [
+        [0.1, 0.2, 0.3, 0.4],
+        [0.4, 0.1, 0.2, 0.3],
+        [0.3, 0.4, 0.1, 0.2],
+        [0.2, 0.3, 0.4, 0.1],
+    ]
+)
+VOCAB_SIZE = TARGET_PROBS.shape[1]
+
+# How a corrupted drafter fills the draft logits at one position.
+ROW_CORRUPTIONS = {"nan": NAN, "+inf": INF, "-inf": -INF}
+# A single bad entry in an otherwise finite row.
+ENTRY_CORRUPTIONS = {"nan entry": NAN, "+inf entry": INF}
+
+METHODS = {"standard": False, "block": True}
+
+RejectionSample = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _interpreter_log1p(x):
+    return tl.log(1.0 + x)
+
+
+def _rejection_sample(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run vLLM's rejection_sample on CPU inputs and return CPU outputs."""
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        # The interpreter cannot run libdevice externs. The resample residual
+        # is the only user.
+        rejection_sampler_utils.tldevice = types.SimpleNamespace(
+            log1p=_interpreter_log1p
+        )
+    inputs = {
+        name: value.to(device) if isinstance(value, torch.Tensor) else value
+        for name, value in inputs.items()
+    }
+    sampled, num_sampled = rejection_sampler_utils.rejection_sample(**inputs)
+    return sampled.cpu(), num_sampled.cpu()
+
+
+def _has_triton() -> bool:
+    from vllm.triton_utils import HAS_TRITON
+
+    return HAS_TRITON
+
+
+def _split_requests(inputs: dict, num_chunks: int) -> list[dict]:
+    """Split a batch into batches of consecutive requests. Requests are verified
+    independently, so the outputs concatenate to those of the whole batch."""
+    cu_num_logits = inputs["cu_num_logits"]
+    bounds = torch.linspace(0, len(cu_num_logits) - 1, num_chunks + 1).long()
+    chunks = []
+    for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        lo, hi = cu_num_logits[start].item(), cu_num_logits[end].item()
+        chunk = dict(inputs)
+        for name in (
+            "target_logits",
+            "draft_sampled",
+            "pos",
+            "expanded_idx_mapping",
+            "expanded_local_pos",
+        ):
+            chunk[name] = inputs[name][lo:hi]
+        chunk["cu_num_logits"] = cu_num_logits[start : end + 1] - lo
+        chunk["idx_mapping"] = inputs["idx_mapping"][start:end]
+        chunks.append(chunk)
+    return chunks
+
+
+@pytest.fixture(scope="module")
+def rejection_sample() -> Iterator[RejectionSample]:
+    if torch.cuda.is_available():
+        yield _rejection_sample
+        return
+    num_workers = 2
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TRITON_INTERPRET", "1")
+        # vLLM keeps Triton on without an active GPU driver when the visible
+        # device list is empty on purpose.
+        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        pool = multiprocessing.get_context("spawn").Pool(num_workers)
+    with pool:
+        if not pool.apply(_has_triton):
+            pytest.skip("vLLM does not enable Triton's interpreter here")
+
+        def run(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+            outputs = pool.map(_rejection_sample, _split_requests(inputs, num_workers))
+            sampled, num_sampled = zip(*outputs)
+            return torch.cat(sampled), torch.cat(num_sampled)
+
+        yield run
+
+
+def _inputs(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    temperature: torch.Tensor,
+    use_block_verification: bool,
+) -> dict:
+    """rejection_sample kwargs, one request per row, each with its own seed.
+
+    target_logits: [num_reqs, K + 1, V], temperature already applied.
+    draft_logits: [num_reqs, K, V], before temperature, or None (one-hot).
+    draft_tokens: [num_reqs, K].
+    """
+    num_reqs, k = draft_tokens.shape
+    draft_sampled = torch.zeros(num_reqs, k + 1, dtype=torch.int64)
+    draft_sampled[:, 1:] = draft_tokens
+    reqs = torch.arange(num_reqs, dtype=torch.int32)
+    return dict(
+        target_logits=target_logits.reshape(num_reqs * (k + 1), -1).contiguous(),
+        draft_logits=None if draft_logits is None else draft_logits.contiguous(),
+        draft_sampled=draft_sampled.flatten(),
+        cu_num_logits=torch.arange(num_reqs + 1, dtype=torch.int32) * (k + 1),
+        pos=torch.arange(num_reqs * (k + 1), dtype=torch.int32),
+        idx_mapping=reqs,
+        expanded_idx_mapping=reqs.repeat_interleave(k + 1),
+        expanded_local_pos=torch.arange(k + 1, dtype=torch.int32).repeat(num_reqs),
+        temperature=temperature,
+        seed=reqs.to(torch.int64),
+        num_speculative_steps=k,
+        use_block_verification=use_block_verification,
+    )
+
+
+def _draw(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of [..., V] logits."""
+    probs = logits.softmax(-1).reshape(-1, logits.shape[-1])
+    tokens = torch.multinomial(probs, 1, generator=generator)
+    return tokens.view(logits.shape[:-1])
+
+
+def _emitted(sampled: torch.Tensor, num_sampled: torch.Tensor) -> list[list[int]]:
+    return [row[:n].tolist() for row, n in zip(sampled, num_sampled.tolist())]
+
+
+def _assert_follows(tokens: torch.Tensor, probs: torch.Tensor, label: str) -> None:
+    """Chi-square goodness of fit of sampled tokens to a distribution."""
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    expected = probs.double() * tokens.numel()
+    assert (expected >= 5).all(), f"{label}: too few samples for a chi-square test"
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    dof = torch.tensor((probs.numel() - 1) / 2, dtype=torch.float64)
+    p_value = torch.special.gammaincc(dof, chi2 / 2).item()
+    assert p_value > 1e-3, (
+        f"{label}: counts {counts.int().tolist()}, expected "
+        f"{[round(e, 1) for e in expected.tolist()]}: chi2 = {chi2.item():.1f}, "
+        f"p = {p_value:.2g}"
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nonfinite_draft_is_verified_like_a_placeholder(
+    rejection_sample: RejectionSample, method: str
+):
+    """A position whose draft logits are not finite ends verification exactly
+    like a -1 placeholder there: nothing at or after it is accepted, and the
+    recovery token comes from the target alone (or, under block verification,
+    from the residual of the finite prefix), bit for bit.
+    """
+    k, reqs_per_case = 3, 6
+    cases = [(kind, value, 0, k) for kind, value in ROW_CORRUPTIONS.items()]
+    cases += [(kind, value, 1, 2) for kind, value in ROW_CORRUPTIONS.items()]
+    cases += [(kind, value, 1, 2) for kind, value in ENTRY_CORRUPTIONS.items()]
+    num_reqs = len(cases) * reqs_per_case
+
+    generator = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(num_reqs, k + 1, VOCAB_SIZE, generator=generator)
+    draft_logits = torch.randn(num_reqs, k, VOCAB_SIZE, generator=generator)
+    temperature = torch.tensor([1.0, 0.6]).repeat(num_reqs // 2)
+    draft_tokens = _draw(draft_logits / temperature[:, None, None], generator)
+
+    corrupted = draft_logits.clone()
+    placeholders = draft_tokens.clone()
+    first_bad = torch.empty(num_reqs, dtype=torch.int64)
+    for case, (kind, value, start, end) in enumerate(cases):
+        reqs = slice(case * reqs_per_case, (case + 1) * reqs_per_case)
+        if kind in ENTRY_CORRUPTIONS:
+            corrupted[reqs, start:end, 1] = value
+        else:
+            corrupted[reqs, start:end] = value
+        placeholders[reqs, start] = -1
+        first_bad[reqs] = start
+
+    use_block = METHODS[method]
+    sampled, num_sampled = rejection_sample(
+        _inputs(target_logits, corrupted, draft_tokens, temperature, use_block)
+    )
+    expected, expected_num_sampled = rejection_sample(
+        _inputs(target_logits, draft_logits, placeholders, temperature, use_block)
+    )
+
+    assert (num_sampled <= first_bad + 1).all(), (
+        f"accepted a draft token at or after a non-finite draft: "
+        f"num_sampled {num_sampled.tolist()}, first bad {first_bad.tolist()}"
+    )
+    assert _emitted(sampled, num_sampled) == _emitted(expected, expected_num_sampled)
+    # The finite prefix is verified: some requests reach the bad position.
+    assert (num_sampled[first_bad > 0] > 1).any()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nan_in_a_vocab_block_without_finite_logits(
+    rejection_sample: RejectionSample, method: str
+):
+    """NaN logits in a vocab block whose other logits are -inf, next to a block
+    of finite logits: a NaN-suppressing max reduction must not hide them."""
+    k, num_reqs, block_size = 2, 4, 8192
+    vocab_size = block_size + VOCAB_SIZE
+    # Every distribution lives in the second vocab block.
+    target_logits = torch.full((num_reqs, k + 1, vocab_size), -INF)
+    target_logits[..., block_size:] = TARGET_PROBS[: k + 1].log()
+    draft_logits = target_logits[:, :k].clone()
+    generator = torch.Generator().manual_seed(0)
+    draft_tokens = block_size + _draw(draft_logits[..., block_size:], generator)
+    # The draft matches the target, so only the NaN can reject it.
+    corrupted = draft_logits.clone()
+    corrupted[:, 1, : block_size // 2] = NAN
+    placeholders = draft_tokens.clone()
+    placeholders[:, 1] = -1
+    temperature = torch.ones(num_reqs)
+
+    use_block = METHODS[method]
+    sampled, num_sampled = rejection_sample(
+        _inputs(target_logits, corrupted, draft_tokens, temperature, use_block)
+    )
+    expected, expected_num_sampled = rejection_sample(
+        _inputs(target_logits, draft_logits, placeholders, temperature, use_block)
+    )
+
+    assert num_sampled.tolist() == [2] * num_reqs
+    assert _emitted(sampled, num_sampled) == _emitted(expected, expected_num_sampled)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nonfinite_draft_recovers_from_target(
+    rejection_sample: RejectionSample, method: str
+):
+    """NaN/+inf/-inf draft logits at every position, or at position 1 only:
+    acceptance stops right before them and the emitted recovery tokens follow
+    the target distribution of that position.
+
+    The first draft matches the target, so it is always accepted and position
+    1 is always reached; the draft after the bad one matches the target too,
+    so verifying past the bad position would accept it.
+    """
+    k, reqs_per_kind = 2, 30
+    num_reqs = 2 * len(ROW_CORRUPTIONS) * reqs_per_kind
+    target_logits = TARGET_PROBS[: k + 1].log().expand(num_reqs, -1, -1)
+    draft_logits = TARGET_PROBS[:k].log().repeat(num_reqs, 1, 1)
+    generator = torch.Generator().manual_seed(0)
+    draft_tokens = _draw(draft_logits, generator)
+    values = torch.tensor(list(ROW_CORRUPTIONS.values()))
+    kinds = torch.arange(num_reqs) % len(ROW_CORRUPTIONS)
+    everywhere = torch.arange(num_reqs) < num_reqs // 2
+    draft_logits[everywhere] = values[kinds[everywhere], None, None]
+    draft_logits[~everywhere, 1] = values[kinds[~everywhere], None]
+    temperature = torch.ones(num_reqs)
+
+    sampled, num_sampled = rejection_sample(
+        _inputs(target_logits, draft_logits, draft_tokens, temperature, METHODS[method])
+    )
+
+    first_bad = torch.where(everywhere, 0, 1)
+    assert num_sampled.tolist() == (first_bad + 1).tolist()
+    assert (sampled[~everywhere, 0] == draft_tokens[~everywhere, 0]).all()
+    recovered = sampled[torch.arange(num_reqs), first_bad]
+    _assert_follows(recovered[everywhere], TARGET_PROBS[0], "bad at every position")
+    _assert_follows(recovered[~everywhere], TARGET_PROBS[1], "bad at position 1")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_finite_draft_sampled_from_draft_is_lossless(
+    rejection_sample: RejectionSample, method: str
+):
+    """Drafts sampled from a finite draft distribution unlike the target: the
+    emitted tokens follow the target distribution."""
+    k, num_reqs = 2, 200
+    target_logits = TARGET_PROBS[: k + 1].log().expand(num_reqs, -1, -1)
+    # The draft ranks every position's tokens in the opposite order.
+    draft_logits = TARGET_PROBS[:k].flip(-1).log().repeat(num_reqs, 1, 1)
+    generator = torch.Generator().manual_seed(0)
+    draft_tokens = _draw(draft_logits, generator)
+    temperature = torch.ones(num_reqs)
+
+    sampled, num_sampled = rejection_sample(
+        _inputs(target_logits, draft_logits, draft_tokens, temperature, METHODS[method])
+    )
+
+    assert (num_sampled < 3).any() and (num_sampled > 1).any()
+    _assert_follows(sampled[:, 0], TARGET_PROBS[0], "first emitted token")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nonfinite_draft_leaves_greedy_unchanged(
+    rejection_sample: RejectionSample, method: str
+):
+    """Greedy verification never reads the draft logits."""
+    k, num_reqs = 3, 6
+    generator = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(num_reqs, k + 1, VOCAB_SIZE, generator=generator)
+    draft_logits = torch.randn(num_reqs, k, VOCAB_SIZE, generator=generator)
+    # Drafts that match the target argmax up to a request-dependent position.
+    draft_tokens = target_logits[:, :k].argmax(-1)
+    mismatch = torch.arange(k) >= torch.arange(num_reqs)[:, None] % (k + 1)
+    draft_tokens[mismatch] = (draft_tokens[mismatch] + 1) % VOCAB_SIZE
+    corrupted = draft_logits.clone()
+    values = torch.tensor([NAN, INF, -INF])
+    corrupted[:] = values[torch.arange(num_reqs) % 3, None, None]
+    temperature = torch.zeros(num_reqs)
+
+    use_block = METHODS[method]
+    sampled, num_sampled = rejection_sample(
+        _inputs(target_logits, corrupted, draft_tokens, temperature, use_block)
+    )
+    expected, expected_num_sampled = rejection_sample(
+        _inputs(target_logits, draft_logits, draft_tokens, temperature, use_block)
+    )
+
+    assert _emitted(sampled, num_sampled) == _emitted(expected, expected_num_sampled)
+    assert num_sampled.tolist() == [1 + n % (k + 1) for n in range(num_reqs)]
+    for req, tokens in enumerate(_emitted(sampled, num_sampled)):
+        assert tokens == target_logits[req, : len(tokens)].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_masked_draft_logits_are_still_verified(
+    rejection_sample: RejectionSample, method: str
+):
+    """-inf draft logits next to finite ones are a masked vocabulary, not a
+    broken drafter: a draft that puts all its mass on the drafted token this way
+    is verified like a one-hot draft."""
+    k, num_reqs = 2, 32
+    generator = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(num_reqs, k + 1, VOCAB_SIZE, generator=generator)
+    draft_tokens = torch.randint(VOCAB_SIZE, (num_reqs, k), generator=generator)
+    draft_logits = torch.full((num_reqs, k, VOCAB_SIZE), -INF)
+    draft_logits.scatter_(-1, draft_tokens[..., None], 0.0)
+    temperature = torch.ones(num_reqs)
+
+    use_block = METHODS[method]
+    sampled, num_sampled = rejection_sample(
+        _inputs(target_logits, draft_logits, draft_tokens, temperature, use_block)
+    )
+    expected, expected_num_sampled = rejection_sample(
+        _inputs(target_logits, None, draft_tokens, temperature, use_block)
+    )
+
+    assert (num_sampled > 1).any()
+    assert _emitted(sampled, num_sampled) == _emitted(expected, expected_num_sampled)
+
+
+def test_chi_square_helper_rejects_a_wrong_distribution():
+    """The chi-square check above has the power to tell the rows apart."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.multinomial(TARGET_PROBS[1], 90, True, generator=generator)
+    _assert_follows(tokens, TARGET_PROBS[1], "right distribution")
+    with pytest.raises(AssertionError):
+        _assert_follows(tokens, TARGET_PROBS[0], "wrong distribution")
+    with pytest.raises(AssertionError):
+        _assert_follows(torch.zeros(90, dtype=torch.int64), TARGET_PROBS[1], "zeros")
