@@ -13,11 +13,6 @@ from tests.verification.harness.zygote import Zygote
 
 _ZYGOTES: dict[str, Zygote] = {}
 
-AMD_MISSING = (
-    "vllm/models/kimi_k3/amd/dspark_mla.py does not exist yet (stack step 3); "
-    "flip to a plain case when it lands"
-)
-
 
 def zygote(mode: str) -> Zygote:
     if mode not in _ZYGOTES:
@@ -58,28 +53,5 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
-def _vllm_file_exists(relpath: str) -> bool:
-    """Whether the installed vLLM tree has ``relpath`` (without importing vLLM)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    return any((Path(p) / relpath).is_file() for p in spec.submodule_search_locations)
-
-
-HAVE_AMD_DRAFTER = _vllm_file_exists("models/kimi_k3/amd/dspark_mla.py")
-HAVE_COMMON_BASE = _vllm_file_exists("models/kimi_k3/common/dspark_mla.py")
-
-# Drafter modules to run every end-to-end check on. The AMD case is an
-# expected failure only while its module is absent from the installed tree.
-DRAFTERS = [
-    "nvidia",
-    pytest.param(
-        "amd",
-        marks=[]
-        if HAVE_AMD_DRAFTER
-        else [pytest.mark.xfail(reason=AMD_MISSING, strict=True)],
-    ),
-]
+# Drafter modules to run every end-to-end check on.
+DRAFTERS = ["nvidia", "amd"]

@@ -8,10 +8,9 @@ as the bf16 the GPU kernel is dispatched on. With the RoPE dtype fix absent,
 fp32 ``k_pe`` is reinterpreted and the cached rope slice is garbage; with the
 fix the slice matches an independent computation.
 
-The front end is the AMD drafter's own layer once ``amd/dspark_mla.py`` exists;
-before that (pristine 0.33.0), a probe wrapper is assembled from the NVIDIA
-drafter layer's real submodules and RoPE -- exactly what the upstream ROCm
-copy did.
+The front end is the AMD drafter's own first layer. The defect is measured
+in every run by putting pristine 0.33.0's promotion back (RoPE computed on
+fp32 inputs, as ``forward_static`` did for bf16 inputs and an fp32 table).
 """
 
 from __future__ import annotations
@@ -27,56 +26,20 @@ from tests.verification.harness import expected as E
 T = 6
 
 
-def _front_end(which, cache_dtype):
-    draft = D.build(rope="yarn", cache_dtype=cache_dtype, cls=D.drafter_cls(which))
-    layer0 = draft.layers[0].self_attn
-    if hasattr(layer0, "mla_attn"):
-        return draft, layer0
-    # Probe: the upstream ROCm copy's layer, from the NVIDIA layer's parts.
-    from vllm.model_executor.layers.mla import MLAModules
-    from vllm.models.kimi_k3.amd.mla import KimiK3MultiHeadLatentAttentionWrapper
-
-    modules = MLAModules(
-        kv_a_layernorm=layer0.kv_a_layernorm,
-        kv_b_proj=layer0.kv_b_proj,
-        rotary_emb=layer0.rotary_emb,
-        o_proj=layer0.o_proj,
-        fused_qkv_a_proj=layer0.fused_qkv_a_proj,
-        kv_a_proj_with_mqa=None,
-        q_a_layernorm=layer0.q_a_layernorm,
-        q_b_proj=layer0.q_b_proj,
-        q_proj=None,
-        indexer=None,
-        is_sparse=False,
-        topk_indices_buffer=None,
-    )
-    with D.config_context(draft.vllm_config):
-        wrapper = KimiK3MultiHeadLatentAttentionWrapper(
-            hidden_size=layer0.hidden_size,
-            num_heads=layer0.num_local_heads,
-            scale=layer0.scale,
-            qk_nope_head_dim=layer0.qk_nope_head_dim,
-            qk_rope_head_dim=layer0.qk_rope_head_dim,
-            v_head_dim=layer0.v_head_dim,
-            q_lora_rank=layer0.q_lora_rank,
-            kv_lora_rank=layer0.kv_lora_rank,
-            mla_modules=modules,
-            cache_config=draft.vllm_config.cache_config,
-            quant_config=None,
-            prefix="probe.layers.7.self_attn",
-            non_causal_multi_token_decode=True,
-        )
-        wrapper.mla_attn.process_weights_after_loading(torch.bfloat16)
-    return draft, wrapper
+def _front_end(cache_dtype):
+    draft = D.build(rope="yarn", cache_dtype=cache_dtype, cls=D.drafter_cls("amd"))
+    return draft, draft.layers[0].self_attn
 
 
-def body_rope_slice(which, cache_dtype):
+def body_rope_slice(cache_dtype, pristine_rope=False):
     from vllm.forward_context import set_forward_context
     from vllm.platforms import current_platform
 
     from tests.verification.harness import ops
 
-    draft, front = _front_end(which, cache_dtype)
+    if pristine_rope:
+        _restore_pristine_rope_promotion()
+    draft, front = _front_end(cache_dtype)
     attn = front.mla_attn
     cfg = draft.hf_config
     width = attn.kv_lora_rank + attn.qk_rope_head_dim
@@ -138,49 +101,45 @@ def body_rope_slice(which, cache_dtype):
     )
 
 
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
-def test_cached_rope_slice_matches_reference(rocm, record_property, cache_dtype):
-    """Measurement + guard. Fails on pristine 0.33.0 (fix absent); the max
-    error is recorded as a measurement either way."""
-    from tests.verification.conftest import HAVE_AMD_DRAFTER
-
-    which = "amd" if HAVE_AMD_DRAFTER else "nvidia"
-    m = rocm.call(body_rope_slice, which=which, cache_dtype=cache_dtype)
-    record_property(f"measure:rope_slice_max_err[{cache_dtype}]", m["rope_err"])
-    record_property(f"measure:kv_c_max_err[{cache_dtype}]", m["kv_c_err"])
-    record_property(
-        f"measure:k_pe_dtype_into_MLAAttention[{cache_dtype}]", m["k_pe_dtype"]
-    )
-    assert m["k_pe_dtype"] == m["kv_c_dtype"], m
-    tol = 0.15 * m["rope_scale"] if cache_dtype == "fp8" else 2e-2 * m["rope_scale"]
-    assert m["rope_err"] <= tol, m
-
-
-def body_rope_slice_with_simulated_fix(cache_dtype):
-    """Same path, with ``forward_static`` casting back to the input dtype (what
-    the stack's RoPE patch does): the harness must then see an exact slice."""
+def _restore_pristine_rope_promotion():
+    """Undo the stack's RoPE fix: 0.33.0 computed the rotation of bf16 inputs
+    against the fp32 table in fp32 and returned it without casting back."""
     from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
         DeepseekScalingRotaryEmbedding as Rope,
     )
 
-    real = Rope.forward_static
+    fixed = Rope.forward_static
 
-    def fixed(positions, query, key, *args, **kwargs):
-        q, k = real(positions, query, key, *args, **kwargs)
-        return q.to(query.dtype), (None if k is None else k.to(key.dtype))
+    def promoting(positions, query, key, *args, **kwargs):
+        return fixed(positions, query.float(), key.float(), *args, **kwargs)
 
-    Rope.forward_static = staticmethod(fixed)
-    return body_rope_slice("nvidia", cache_dtype)
+    Rope.forward_static = staticmethod(promoting)
+
+
+def _tolerance(m, cache_dtype):
+    return (0.15 if cache_dtype == "fp8" else 2e-2) * m["rope_scale"]
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
-def test_cached_rope_slice_with_simulated_fix(rocm, record_property, cache_dtype):
-    """Guards the harness: with a cast-back RoPE the check passes (so a failure
-    of the test above is the defect, not the harness)."""
-    m = rocm.call(body_rope_slice_with_simulated_fix, cache_dtype=cache_dtype)
-    record_property(
-        f"measure:rope_slice_max_err_with_fix[{cache_dtype}]", m["rope_err"]
-    )
+def test_cached_rope_slice_matches_reference(rocm, record_property, cache_dtype):
+    """The AMD drafter hands MLAAttention a bf16 k_pe and caches the right rope
+    slice. Fails on pristine 0.33.0 and with the RoPE fix reverted."""
+    m = rocm.call(body_rope_slice, cache_dtype=cache_dtype)
+    record_property(f"measure:rope_slice_max_err[{cache_dtype}]", m["rope_err"])
+    record_property(f"measure:kv_c_max_err[{cache_dtype}]", m["kv_c_err"])
     assert m["k_pe_dtype"] == m["kv_c_dtype"] == "torch.bfloat16", m
-    tol = 0.15 * m["rope_scale"] if cache_dtype == "fp8" else 2e-2 * m["rope_scale"]
-    assert m["rope_err"] <= tol, m
+    assert m["rope_err"] <= _tolerance(m, cache_dtype), m
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_cached_rope_slice_without_the_fix(rocm, record_property, cache_dtype):
+    """The review's measurement (1.6e38 auto, 450 fp8 on MI355X), reproduced:
+    with 0.33.0's promotion back, fp32 k_pe reaches the cache write and the rope
+    slice is garbage while kv_c stays exact. Guards the harness's sensitivity."""
+    m = rocm.call(body_rope_slice, cache_dtype=cache_dtype, pristine_rope=True)
+    record_property(
+        f"measure:rope_slice_max_err_without_fix[{cache_dtype}]", m["rope_err"]
+    )
+    assert m["k_pe_dtype"] == "torch.float32", m
+    assert m["kv_c_err"] <= _tolerance(m, cache_dtype), m
+    assert m["rope_err"] > 10 * _tolerance(m, cache_dtype), m

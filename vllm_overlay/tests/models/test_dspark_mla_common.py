@@ -255,7 +255,9 @@ class _WrappedLayer:
         return self.self_attn.mla_attn
 
 
-def _model(layers, recorder, monkeypatch) -> K3DSparkModelBase:
+def _model(
+    layers, recorder, monkeypatch, model_cls=K3DSparkModelBase
+) -> K3DSparkModelBase:
     monkeypatch.setattr(common_dspark_mla, "ops", recorder)
     monkeypatch.setattr(
         common_dspark_mla,
@@ -268,7 +270,7 @@ def _model(layers, recorder, monkeypatch) -> K3DSparkModelBase:
     )
     # Without a CUDA driver this query raises; nothing is captured on CPU.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    model = object.__new__(K3DSparkModelBase)
+    model = object.__new__(model_cls)
     nn.Module.__init__(model)
     model.layers = layers
     model._max_num_context_tokens = 8
@@ -335,6 +337,72 @@ def test_k3_dspark_context_kv_goes_through_kv_cache_owner(layer_cls, monkeypatch
         "model.layers.61.self_attn.attn",
         "model.layers.62.self_attn.attn",
     ]
+
+
+class _NoE5M2Model(K3DSparkModelBase):
+    # A platform whose grouped kernel rejects fp8_e5m2 (ROCm in 0.33.0).
+    grouped_kv_cache_dtypes = K3DSparkModelBase.grouped_kv_cache_dtypes - {"fp8_e5m2"}
+
+
+@pytest.mark.cpu_test
+def test_k3_dspark_grouped_kv_cache_dtypes_default():
+    # The default (NVIDIA) allowlist is the module constant, unchanged.
+    assert K3DSparkModelBase.grouped_kv_cache_dtypes is (
+        common_dspark_mla._GROUPED_KV_CACHE_DTYPES
+    )
+    assert K3DSparkModelBase.grouped_kv_cache_dtypes == {
+        "auto",
+        "bfloat16",
+        "fp8",
+        "fp8_e4m3",
+        "fp8_e5m2",
+    }
+    assert K3DSparkModel.grouped_kv_cache_dtypes is (
+        K3DSparkModelBase.grouped_kv_cache_dtypes
+    )
+
+
+@pytest.mark.cpu_test
+@pytest.mark.parametrize(
+    ("model_cls", "dtype", "grouped"),
+    [
+        (K3DSparkModelBase, "fp8_e5m2", True),
+        (_NoE5M2Model, "fp8_e5m2", False),
+        (_NoE5M2Model, "fp8_e4m3", True),
+        (_NoE5M2Model, "auto", True),
+    ],
+)
+def test_k3_dspark_grouped_insert_follows_platform_dtypes(
+    model_cls, dtype, grouped, monkeypatch
+):
+    """Both the grouped insert and its stacked scales follow the model class's
+    ``grouped_kv_cache_dtypes``; other dtypes fall back per layer."""
+    recorder = _Recorder()
+    layers = [_WrappedLayer(i, recorder, dtype) for i in range(2)]
+    owners = [layer.kv_cache_owner() for layer in layers]
+    model = _model(layers, recorder, monkeypatch, model_cls)
+    slots = torch.tensor([0, 1, 2])
+
+    quantized = dtype.startswith("fp8")
+    if grouped and quantized:
+        assert torch.equal(model._context_kv_scales, torch.tensor([0.5, 1.5]))
+    else:
+        assert model._context_kv_scales is None
+
+    _precompute(model, slots)
+    names = [c[0] for c in recorder.calls]
+    if grouped:
+        assert names[-1] == "concat_and_cache_mla_grouped"
+        assert "do_kv_cache_update" not in names
+        assert recorder.calls[-1][-1] == dtype
+    else:
+        assert "concat_and_cache_mla_grouped" not in names
+        updates = [c for c in recorder.calls if c[0] == "do_kv_cache_update"]
+        assert len(updates) == len(owners)
+        for update, owner in zip(updates, owners):
+            assert update[3] is owner.kv_cache
+            assert update[5] == dtype
+            assert update[6] is owner._k_scale
 
 
 @pytest.mark.cpu_test

@@ -16,6 +16,11 @@ and any other platform's). A platform supplies only what differs, as hooks on
   ``impl`` and ``layer_name``. It is ``self_attn`` unless the platform's MLA
   module wraps an inner attention layer.
 
+and, on :class:`K3DSparkModelBase`,
+:attr:`~K3DSparkModelBase.grouped_kv_cache_dtypes`: the KV-cache dtypes the
+platform's grouped context-KV insert kernel accepts; other dtypes fall back to
+per-layer cache updates.
+
 This module must not import platform code (``vllm.models.kimi_k3.nvidia``,
 ``vllm.models.kimi_k3.amd`` or the ``vllm.models.kimi_k3`` package itself).
 """
@@ -163,6 +168,9 @@ class K3DSparkDecoderLayerBase(nn.Module):
 
 class K3DSparkModelBase(nn.Module):
     decoder_layer_cls: ClassVar[type[K3DSparkDecoderLayerBase]]
+    # KV-cache dtypes that take the grouped context-KV insert; a platform whose
+    # grouped kernel rejects one of them narrows this set.
+    grouped_kv_cache_dtypes: ClassVar[frozenset[str]] = _GROUPED_KV_CACHE_DTYPES
 
     def __init__(
         self,
@@ -290,7 +298,7 @@ class K3DSparkModelBase(nn.Module):
         owners = self._kv_cache_owners()
         cache_dtype = owners[0].kv_cache_dtype
         self._context_kv_scales: torch.Tensor | None = None
-        if cache_dtype in _GROUPED_KV_CACHE_DTYPES and is_quantized_kv_cache(
+        if cache_dtype in self.grouped_kv_cache_dtypes and is_quantized_kv_cache(
             cache_dtype
         ):
             self._context_kv_scales = torch.stack(
@@ -351,7 +359,7 @@ class K3DSparkModelBase(nn.Module):
         owners = self._kv_cache_owners()
         cache_dtype = owners[0].kv_cache_dtype
         if (
-            cache_dtype in _GROUPED_KV_CACHE_DTYPES
+            cache_dtype in self.grouped_kv_cache_dtypes
             and all(owner.kv_cache_dtype == cache_dtype for owner in owners)
             and self._refresh_context_kv_cache_ptrs(owners)
             and (

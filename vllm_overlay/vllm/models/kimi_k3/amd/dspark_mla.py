@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""K3 dense MLA draft model for DSpark speculative decoding (ROCm).
+
+The drafter itself lives in ``vllm.models.kimi_k3.common.dspark_mla``; this
+module supplies only what differs on ROCm:
+
+* the attention is the K3 ROCm ``KimiK3MultiHeadLatentAttentionWrapper`` (not
+  ``amd/linear.py``'s ``KimiMLAAttention``, which is NoPE-only) with the
+  checkpoint's RoPE and a non-causal draft block. Its inner generic
+  ``MLAAttention`` runs the absorb BMMs (AITER FP8/FP4 BMM when enabled,
+  otherwise ``torch.bmm``) and the KV-cache write (``concat_and_cache_mla``).
+  The wrapper's identity-RoPE fused decode is written for the NoPE target and
+  is never taken for a layer with RoPE;
+* that inner ``MLAAttention`` (``self_attn.mla_attn``, named
+  ``<prefix>.attn``) owns the KV cache;
+* the ROCm ``KimiMLP``;
+* the grouped context-KV insert excludes ``fp8_e5m2``, which the grouped
+  kernel rejects on ROCm; such caches are filled layer by layer.
+"""
+
+import torch.nn as nn
+
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.mla import MLAModules
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.models.kimi_k3.amd.linear import KimiMLP
+from vllm.models.kimi_k3.amd.mla import KimiK3MultiHeadLatentAttentionWrapper
+from vllm.models.kimi_k3.common.dspark_mla import (
+    K3DSparkDecoderLayerBase,
+    K3DSparkForCausalLMBase,
+    K3DSparkModelBase,
+)
+from vllm.models.kimi_k3.common.mla_rope import get_k3_mla_rope
+
+
+class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
+    mlp_cls = KimiMLP
+
+    def build_attention(
+        self,
+        *,
+        vllm_config: VllmConfig,
+        config,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> nn.Module:
+        # K3DSparkConfig rejects q_lora_rank=None and mla_use_output_gate, so
+        # this is the q-LoRA layout without an output gate (no g_proj).
+        num_heads = config.num_attention_heads
+        tp_size = get_tensor_model_parallel_world_size()
+        assert num_heads % tp_size == 0
+        qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        rotary_emb, scale_multiplier = get_k3_mla_rope(config, config.qk_rope_head_dim)
+
+        # The projections take the global head count and shard it over TP.
+        fused_qkv_a_proj = MergedColumnParallelLinear(
+            config.hidden_size,
+            [config.q_lora_rank, config.kv_lora_rank + config.qk_rope_head_dim],
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.fused_qkv_a_proj",
+            disable_tp=True,
+        )
+        q_b_proj = ColumnParallelLinear(
+            config.q_lora_rank,
+            num_heads * qk_head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.q_b_proj",
+        )
+        kv_b_proj = ColumnParallelLinear(
+            config.kv_lora_rank,
+            num_heads * (config.qk_nope_head_dim + config.v_head_dim),
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.kv_b_proj",
+        )
+        o_proj = RowParallelLinear(
+            num_heads * config.v_head_dim,
+            config.hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        mla_modules = MLAModules(
+            kv_a_layernorm=RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps),
+            kv_b_proj=kv_b_proj,
+            rotary_emb=rotary_emb,
+            o_proj=o_proj,
+            fused_qkv_a_proj=fused_qkv_a_proj,
+            kv_a_proj_with_mqa=None,
+            q_a_layernorm=RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps),
+            q_b_proj=q_b_proj,
+            q_proj=None,
+            indexer=None,
+            is_sparse=False,
+            topk_indices_buffer=None,
+        )
+        # The wrapper and its MLAAttention work on this rank's heads.
+        return KimiK3MultiHeadLatentAttentionWrapper(
+            hidden_size=config.hidden_size,
+            num_heads=num_heads // tp_size,
+            scale=qk_head_dim**-0.5 * scale_multiplier,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank,
+            mla_modules=mla_modules,
+            cache_config=vllm_config.cache_config,
+            quant_config=quant_config,
+            prefix=prefix,
+            non_causal_multi_token_decode=True,
+        )
+
+    def kv_cache_owner(self) -> nn.Module:
+        # The wrapper's inner MLAAttention ("<prefix>.attn") owns the cache.
+        return self.self_attn.mla_attn
+
+
+class K3DSparkModel(K3DSparkModelBase):
+    decoder_layer_cls = K3DSparkDecoderLayer
+    # 0.33.0's concat_and_cache_mla_grouped rejects fp8_e5m2 on ROCm.
+    grouped_kv_cache_dtypes = K3DSparkModelBase.grouped_kv_cache_dtypes - {"fp8_e5m2"}
+
+
+class K3DSparkForCausalLM(K3DSparkForCausalLMBase):
+    model_cls = K3DSparkModel
