@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from tests.support.pristine import base_tag, pristine_source
+from tests.verification.harness import reference
 
 DRAFTER_RELPATH = "vllm/models/kimi_k3/nvidia/dspark_mla.py"
 DRAFTER_MODULE = "vllm.models.kimi_k3.nvidia.dspark_mla"
@@ -238,16 +239,6 @@ def assert_equivalent(expected: Any, actual: Any, what: str) -> None:
 # --------------------------------------------------------------------------
 
 
-def _fake_rms_norm(out, input, weight, epsilon):  # noqa: A002 - op signature
-    x = input.float()
-    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
-    if weight is not None:
-        w = weight.float()
-        # A 2-D weight selects one row per leading (layer) index.
-        x = x * (w.unsqueeze(1) if w.dim() == 2 and x.dim() == 3 else w)
-    out.copy_(x.to(out.dtype))
-
-
 def _fake_rotary_embedding(
     positions,
     query,
@@ -258,23 +249,9 @@ def _fake_rotary_embedding(
     rope_dim_offset=0,
     inverse=False,
 ):
-    rot_dim = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions.reshape(-1).long()].float().chunk(2, dim=-1)
-    if inverse:
-        sin = -sin
-    for t in (query, key):
-        if t is None:
-            continue
-        view = t.view(positions.numel(), -1, head_size)
-        rot = view[..., rope_dim_offset : rope_dim_offset + rot_dim].float()
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        if is_neox:
-            x1, x2 = rot.chunk(2, dim=-1)
-            new = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        else:
-            x1, x2 = rot[..., ::2], rot[..., 1::2]
-            new = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
-        view[..., rope_dim_offset : rope_dim_offset + rot_dim] = new.to(t.dtype)
+    # The drafter rotates whole rope heads forwards only.
+    assert rope_dim_offset == 0 and not inverse
+    reference.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
 def _write_cache_entries(
@@ -288,26 +265,18 @@ def _write_cache_entries(
     cache_dtype: str,
     scale: torch.Tensor | None,
 ) -> None:
-    width = kv_c.shape[-1] + k_pe.shape[-1]
-    num_blocks = cache.shape[0]
-    entries = torch.as_strided(
+    quantized = cache_dtype in _FP8_TORCH_DTYPES
+    reference.write_cache_entries(
         cache,
-        (num_blocks, block_size, width),
-        (block_stride, entry_stride, 1),
-        cache.storage_offset(),
+        torch.cat([kv_c, k_pe.to(kv_c.dtype)], dim=-1),
+        slots.reshape(-1),
+        block_size,
+        block_stride,
+        entry_stride,
+        cache_dtype,
+        float(scale.reshape(())) if quantized else 1.0,
+        _FP8_TORCH_DTYPES.get(cache_dtype, torch.float8_e4m3fn),
     )
-    values = torch.cat([kv_c.float(), k_pe.float()], dim=-1)
-    if cache_dtype in _FP8_TORCH_DTYPES:
-        assert scale is not None
-        values = (values / scale.float().reshape(())).to(_FP8_TORCH_DTYPES[cache_dtype])
-        values = values.view(torch.uint8)
-        entries = entries.view(torch.uint8)
-    else:
-        values = values.to(entries.dtype)
-    for token, slot in enumerate(slots.reshape(-1).tolist()):
-        if slot < 0:
-            continue
-        entries[slot // block_size, slot % block_size] = values[token]
 
 
 OUTPUT_PARAMS = frozenset({"out", "output"})
@@ -317,7 +286,7 @@ class CallLog:
     """Replaces custom ops with recorders while active; collects a Trace."""
 
     FAKES: dict[str, Callable[..., Any]] = {
-        "rms_norm": _fake_rms_norm,
+        "rms_norm": reference.rms_norm,
         "rotary_embedding": _fake_rotary_embedding,
     }
 

@@ -64,7 +64,7 @@ def reinterpret_rows(
     return flat[rows + cols]
 
 
-def _write_entries(
+def write_cache_entries(
     cache: torch.Tensor,
     rows: torch.Tensor,
     slots: torch.Tensor,
@@ -120,7 +120,7 @@ def concat_and_cache_mla(
     pe = reinterpret_rows(k_pe[:num_tokens], kv_c.dtype, pe_dim)
     rows = torch.cat([kv, pe], dim=1)
     s = 1.0 if skip_scale else float(scale.reshape(-1)[0])
-    _write_entries(
+    write_cache_entries(
         kv_cache,
         rows,
         slot_mapping.reshape(-1),
@@ -238,7 +238,7 @@ def concat_and_cache_mla_grouped(
         slots = slot_mapping[layer]
         rows = torch.cat([kv_c[layer], k_pe[layer]], dim=1)
         scale = float(kv_scales[layer]) if use_fp8 else 1.0
-        _write_entries(
+        write_cache_entries(
             cache,
             rows,
             slots,
