@@ -90,7 +90,12 @@ def body_rope_slice(cache_dtype, pristine_rope=False):
     if cache_dtype.startswith("fp8"):
         want = E.fp8_roundtrip(entries, scale, fp8)
     R = attn.kv_lora_rank
+    want_q = E.attention_q(draft.checkpoint, cfg, hidden, positions)
+    got_q = seen["q"].reshape(want_q.shape)
     return dict(
+        q_dtype=str(seen["q"].dtype),
+        q_err=float((got_q.float() - want_q.float()).abs().max()),
+        q_scale=float(want_q.float().abs().max()),
         k_pe_dtype=str(seen["k_pe"].dtype),
         kv_c_dtype=str(seen["kv_c"].dtype),
         kv_c_err=float((got[:, :R] - want[:, :R]).abs().max()),
@@ -129,6 +134,16 @@ def test_cached_rope_slice_matches_reference(rocm, record_property, cache_dtype)
     record_property(f"measure:kv_c_max_err[{cache_dtype}]", m["kv_c_err"])
     assert m["k_pe_dtype"] == m["kv_c_dtype"] == "torch.bfloat16", m
     assert m["rope_err"] <= _tolerance(m, cache_dtype), m
+
+
+def test_attention_inputs_match_reference(rocm, record_property):
+    """What the AMD front end hands MLAAttention: the query (q_a_proj, norm,
+    q_b_proj, RoPE on the rope part) equals an independent computation from the
+    checkpoint, in bf16; kv_c and k_pe are checked through the cache above."""
+    m = rocm.call(body_rope_slice, cache_dtype="auto")
+    record_property("measure:q_max_err", m["q_err"])
+    assert m["q_dtype"] == "torch.bfloat16", m
+    assert m["q_err"] <= 2e-2 * m["q_scale"], m
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])

@@ -92,6 +92,22 @@ def context_entries(ckpt, cfg, context_states, positions) -> list[torch.Tensor]:
     return out
 
 
+def attention_q(ckpt, cfg, hidden, positions, layer: int = 0) -> torch.Tensor:
+    """[T, heads, nope + rope] bf16 query the layer hands its MLA attention:
+    q_a_proj, q_a_layernorm, q_b_proj, then interleaved RoPE on the rope part."""
+    p = f"layers.{layer}.self_attn."
+    dn, dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q_c = torch.nn.functional.linear(hidden, ckpt[p + "q_a_proj.weight"])
+    q_c = rms(q_c, ckpt[p + "q_a_layernorm.weight"], cfg.rms_norm_eps)
+    q = torch.nn.functional.linear(q_c, ckpt[p + "q_b_proj.weight"])
+    q = q.view(hidden.shape[0], cfg.num_attention_heads, dn + dr)
+    cos_sin = rope_cos_sin(
+        cfg.rope_parameters, dr, cfg.max_position_embeddings, positions
+    )
+    q_pe = rope_interleaved(q[..., dn:], cos_sin).to(q.dtype)
+    return torch.cat([q[..., :dn], q_pe], dim=-1)
+
+
 def read_cache_entries(
     cache: torch.Tensor,
     slots: torch.Tensor,
