@@ -112,7 +112,8 @@ def test_k3_dspark_nvidia_binding_uses_nvidia_mla(monkeypatch):
         K3DSparkDecoderLayerBase.kv_cache_owner
     )
 
-    attn_calls, mlp_calls = [], []
+    attn_calls: list[dict] = []
+    mlp_calls: list[dict] = []
 
     class RecordingModule(nn.Module):
         def __init__(self, calls, **kwargs):

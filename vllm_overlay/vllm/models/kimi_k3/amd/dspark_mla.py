@@ -19,6 +19,8 @@ module supplies only what differs on ROCm:
   kernel rejects on ROCm; such caches are filled layer by layer.
 """
 
+from typing import Any
+
 import torch.nn as nn
 
 from vllm.config import VllmConfig
@@ -121,7 +123,7 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
             non_causal_multi_token_decode=True,
         )
 
-    def kv_cache_owner(self) -> nn.Module:
+    def kv_cache_owner(self) -> Any:
         # The wrapper's inner MLAAttention ("<prefix>.attn") owns the cache.
         return self.self_attn.mla_attn
 
