@@ -1,0 +1,84 @@
+"""The `make test` runner's own logic: what it runs and how it counts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import testrun
+from scripts.common import Layout
+
+REGRESSION = """\
+# a comment line
+tests/models/test_a.py
+tests/models/test_b.py::test_one   # trailing comment
+
+--deselect tests/models/test_b.py::test_two  # needs a GPU
+tests/models/test_c.py
+"""
+
+
+def test_regression_list_parsing_skips_comments_and_what_the_stack_runs(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / testrun.REGRESSION_LIST).write_text(REGRESSION)
+    args = testrun._regression_args(Layout(tmp_path), ["tests/models/test_c.py"])
+    assert args == [
+        "tests/models/test_a.py",
+        "tests/models/test_b.py::test_one",
+        "--deselect",
+        "tests/models/test_b.py::test_two",
+    ]
+
+
+def test_the_shipped_regression_list_parses():
+    args = testrun._regression_args(Layout.default(), [])
+    files = [a for a in args if a.startswith("tests/") and "::" not in a]
+    assert "tests/models/test_dspark_mla.py" in files
+    assert all(not a.startswith("#") for a in args)
+
+
+def _junit(path: Path, tests: int, failures: int, errors: int, skipped: int) -> Path:
+    path.write_text(
+        f'<testsuites><testsuite tests="{tests}" failures="{failures}" '
+        f'errors="{errors}" skipped="{skipped}"/></testsuites>'
+    )
+    return path
+
+
+def test_junit_counts(tmp_path):
+    outcome = testrun._read_junit("x", _junit(tmp_path / "x.xml", 10, 1, 1, 3))
+    assert (outcome.passed, outcome.failed, outcome.skipped) == (5, 2, 3)
+
+
+def test_missing_junit_counts_nothing(tmp_path):
+    outcome = testrun._read_junit("x", tmp_path / "absent.xml")
+    assert (outcome.passed, outcome.failed, outcome.skipped) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("failed", "code"), [(0, 0), (1, 1)], ids=["all-passed", "one-failed"]
+)
+def test_summary_ends_with_the_closing_line_ci_reads(capsys, failed, code):
+    outcomes = [
+        testrun.Outcome("tooling", passed=3, skipped=1),
+        testrun.Outcome("stack", passed=2, failed=failed),
+    ]
+    assert testrun._summarize(outcomes) == code
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"5 passed, {failed} failed, 1 skipped"
+
+
+def test_pytest_without_any_test_counts_as_a_failure(tmp_path):
+    """pytest exits 5 when it collects nothing: a suite that ran no test failed."""
+    (tmp_path / "empty").mkdir()
+    layout = Layout(tmp_path)
+    venv_python = layout.venv / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    # The interpreter running these tests has pytest (a symlink to a venv's
+    # python would lose the venv).
+    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    venv_python.chmod(0o755)
+    outcome = testrun._pytest(layout, "empty", ["empty"], tmp_path, tmp_path)
+    assert outcome.failed == 1 and outcome.note == "pytest exited 5"
