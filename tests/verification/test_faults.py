@@ -95,7 +95,7 @@ NVIDIA_E5M2 = pytest.mark.xfail(
     reason="0.33.0's NVIDIA module keeps fp8_e5m2 on its grouped allowlist (right "
     "for CUDA); run on ROCm it hits the kernel's rejection. Only the ROCm "
     "drafter is required to fall back.",
-    strict=False,
+    strict=True,
 )
 
 
