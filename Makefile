@@ -4,7 +4,7 @@
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
-.PHONY: help apply patches rebase overlay install-overlay build test check lock clean fetch
+.PHONY: help apply patches rebase drift overlay install-overlay build test check lock clean fetch
 
 help:
 	@echo "make apply      fetch pinned vLLM, apply patches/series -> build/vllm, vllm_overlay/"
@@ -12,6 +12,7 @@ help:
 	@echo "make check      fast self-check of the stack (no venv)"
 	@echo "make patches    export build/vllm's commits back to patches/ (maintainers)"
 	@echo "make rebase VLLM_VERSION=x.y.z   move the stack to another vLLM release"
+	@echo "make drift [VLLM_VERSION=x.y.z]  try the stack on the newest release (changes nothing)"
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make build | lock | fetch | clean"
 
@@ -24,6 +25,9 @@ patches:
 rebase:
 	@test -n "$(VLLM_VERSION)" || { echo "usage: make rebase VLLM_VERSION=x.y.z"; exit 2; }
 	$(STACK) rebase $(VLLM_VERSION)
+
+drift:
+	$(STACK) drift $(VLLM_VERSION)
 
 overlay:
 	$(STACK) overlay

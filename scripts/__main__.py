@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("patches", help="export build/vllm's commits to patches/")
     rebase = sub.add_parser("rebase", help="move the stack to another vLLM release")
     rebase.add_argument("version")
+    drift = sub.add_parser("drift", help="try the stack on the newest vLLM release")
+    drift.add_argument("version", nargs="?", default=None)
     sub.add_parser("overlay", help="regenerate vllm_overlay/ from build/vllm")
     install = sub.add_parser("install-overlay", help="copy vllm_overlay/ onto a vLLM")
     install.add_argument("target", type=Path, help="folder containing vllm/")
@@ -60,6 +62,10 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
         from scripts.rebase import rebase
 
         rebase(layout, args.version)
+    elif args.command == "drift":
+        from scripts.drift import drift
+
+        return drift(layout, args.version)
     elif args.command == "overlay":
         from scripts.overlay import regenerate
         from scripts.pin import load_pin

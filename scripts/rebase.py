@@ -59,7 +59,7 @@ def _start(layout: Layout, version: str) -> dict:
     if version == old.version:
         raise StackError(f"the stack is already on vLLM {version}")
     stack.guard_tree(layout, "`make rebase`")
-    new = _pin_for(layout, old, version)
+    new = pin_for(old, version)
     sdist = ensure_artifact(layout, new.project, new.sdist)
     tree = layout.tree
     old_base = read_state(tree)["base_tag"]
@@ -76,7 +76,7 @@ def _start(layout: Layout, version: str) -> dict:
     return progress
 
 
-def _pin_for(layout: Layout, old: Pin, version: str) -> Pin:
+def pin_for(old: Pin, version: str) -> Pin:
     """The pin of `version`: same artifact kinds, sizes and hashes from the index."""
     def artifact(old_art: Artifact) -> Artifact:
         filename = old_art.filename.replace(old.version, version)
