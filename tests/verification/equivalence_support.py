@@ -151,6 +151,7 @@ class Describer:
     def __init__(self) -> None:
         self.caches: dict[int, tuple[str, torch.Tensor]] = {}
         self.objects: dict[int, str] = {}
+        self.writes: list[tuple[int, int]] = []  # filled by the reference kernel
 
     def register_cache(self, label: str, cache: torch.Tensor) -> None:
         self.caches[cache.data_ptr()] = (label, cache)
@@ -158,7 +159,8 @@ class Describer:
     def register_object(self, label: str, obj: object) -> None:
         self.objects[id(obj)] = label
 
-    def cache_for_pointer(self, ptr: int) -> torch.Tensor:
+    def resolve(self, ptr: int) -> torch.Tensor:
+        """The cache at a base address (the reference grouped kernel's memory)."""
         return self.caches[ptr][1]
 
     def pointers(self, t: torch.Tensor) -> CachePointers:
@@ -254,31 +256,6 @@ def _fake_rotary_embedding(
     reference.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
-def _write_cache_entries(
-    cache: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    slots: torch.Tensor,
-    block_size: int,
-    block_stride: int,
-    entry_stride: int,
-    cache_dtype: str,
-    scale: torch.Tensor | None,
-) -> None:
-    quantized = cache_dtype in _FP8_TORCH_DTYPES
-    reference.write_cache_entries(
-        cache,
-        torch.cat([kv_c, k_pe.to(kv_c.dtype)], dim=-1),
-        slots.reshape(-1),
-        block_size,
-        block_stride,
-        entry_stride,
-        cache_dtype,
-        float(scale.reshape(())) if quantized else 1.0,
-        _FP8_TORCH_DTYPES.get(cache_dtype, torch.float8_e4m3fn),
-    )
-
-
 OUTPUT_PARAMS = frozenset({"out", "output"})
 
 
@@ -316,30 +293,10 @@ class CallLog:
                     described[pname] = self.describer(value)
         self.trace.calls.append((name, described))
 
-    def _grouped_insert(
-        self,
-        kv_c,
-        k_pe,
-        kv_cache_ptrs,
-        slot_mapping,
-        block_size,
-        block_stride,
-        entry_stride,
-        kv_scales=None,
-        kv_cache_dtype="auto",
-    ):
-        for layer, ptr in enumerate(kv_cache_ptrs.tolist()):
-            _write_cache_entries(
-                self.describer.cache_for_pointer(int(ptr)),
-                kv_c[layer],
-                k_pe[layer],
-                slot_mapping[layer],
-                block_size,
-                block_stride,
-                entry_stride,
-                kv_cache_dtype,
-                None if kv_scales is None else kv_scales[layer],
-            )
+    def _grouped_insert(self, *args, **kwargs):
+        reference.concat_and_cache_mla_grouped(
+            *args, **kwargs, registry=self.describer, rocm=False
+        )
 
     def op_recorder(self, name: str, original: Callable[..., Any]):
         body = self.FAKES.get(name)
@@ -392,16 +349,15 @@ class RecordingMLAImpl:
         )
         if kv_cache.numel() == 0:
             return
-        _write_cache_entries(
-            kv_cache,
+        reference.concat_and_cache_mla(
             kv_c_normed,
             k_pe.squeeze(1),
+            kv_cache,
             slot_mapping,
-            kv_cache.size(1),
-            kv_cache.stride(0),
-            kv_cache.stride(1),
             kv_cache_dtype,
             k_scale,
+            skip_scale,
+            fp8_dtype=_FP8_TORCH_DTYPES.get(kv_cache_dtype, torch.float8_e4m3fn),
         )
 
 
