@@ -187,6 +187,12 @@ def build_draft(dist_env, monkeypatch):
                 )
         finally:
             torch.set_default_dtype(old_dtype)
+        # Parameters start as torch.empty; uninitialised memory can hold NaN,
+        # so give every test the same finite weights.
+        generator = torch.Generator().manual_seed(0)
+        for param in draft.parameters():
+            if param.is_floating_point():
+                param.data.normal_(std=0.02, generator=generator)
         # On the CPU platform an unquantized linear runs the GEMM picked when
         # its weights are post-processed, which most of these tests skip.
         for module in draft.modules():
