@@ -25,10 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     install.add_argument("--dry-run", action="store_true")
     install.add_argument("--overlay", type=Path, default=None)
     sub.add_parser("check", help="fast self-check of the stack (no venv needed)")
-    sub.add_parser("lock", help="regenerate requirements/venv.lock with pip")
-    sub.add_parser("build", help="create .venv with the patched vLLM installed")
+    sub.add_parser("lock", help="regenerate requirements/venv.lock and lint.lock with pip")
+    sub.add_parser("build", help="create .venv (patched vLLM) and .venv-lint (linters)")
     sub.add_parser("test", help="run every test suite against the patched vLLM")
-    sub.add_parser("clean", help="remove build/ and .venv/ (refuses to lose work)")
+    sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
     args = parser.parse_args(argv)
     layout = Layout.default()
     try:

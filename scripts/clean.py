@@ -27,8 +27,9 @@ def clean(layout: Layout) -> None:
                 warn(f"left {rel(path, layout)} alone: not made by this tooling")
         if not any(layout.build_dir.iterdir()):
             layout.build_dir.rmdir()
-    if layout.venv.exists():
-        _remove(layout, layout.venv)
+    for venv in (layout.venv, layout.lint_venv):
+        if venv.exists():
+            _remove(layout, venv)
     say(f"kept the download cache {rel(layout.cache_dir, layout)}/")
 
 

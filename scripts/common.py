@@ -70,7 +70,13 @@ class Layout:
 
     @property
     def venv(self) -> Path:
+        """The patched vLLM and its dependencies (requirements/venv.lock)."""
         return self.root / ".venv"
+
+    @property
+    def lint_venv(self) -> Path:
+        """vLLM's pre-commit linters (requirements/lint.lock)."""
+        return self.root / ".venv-lint"
 
 
 def rel(path: Path, layout: Layout | None = None) -> str:

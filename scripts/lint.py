@@ -1,20 +1,28 @@
 """vLLM's own pre-commit checks, run on the files the stack changes.
 
 Each patch is a future upstream PR, so it must pass what vLLM's pre-commit
-runs there: ruff 0.14.0 (check and format), the SPDX header check, the
-forbidden-import and torch.cuda checks, and the test-tethering check that
-every test file is collected by a Buildkite job.
+runs there: ruff (check and format), typos, mypy through vLLM's hook script,
+the SPDX header check, the forbidden-import and torch.cuda checks, and the
+test-tethering check that every test file is collected by a Buildkite job.
+The linters run from .venv-lint, installed from requirements/lint.lock, whose
+versions must be the ones the patched tree's .pre-commit-config.yaml pins.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.common import Layout
 from scripts.gitrepo import git
+from scripts.lock import LINT
 
 _PRE_COMMIT = "tools/pre_commit"
+# vLLM's mypy hook checks against the oldest Python vLLM supports.
+_MYPY_PYTHON = "3.11"
 
 
 @dataclass
@@ -36,13 +44,16 @@ def lint_commands(tree: Path, base: str, python: Path) -> list[tuple[str, list[s
     vllm_py = [f for f in py if f.startswith("vllm/")]
     tethered = [f for f in files if (f.startswith("tests/") and f.endswith(".py"))
                 or (f.startswith(".buildkite/") and f.endswith(".yaml"))]
-    ruff = [str(python), "-m", "ruff"]
+    bin_dir = python.parent
     tool = [str(python)]
     commands = []
+    if files:
+        commands.append(("typos", [str(bin_dir / "typos"), "--force-exclude", *files]))
     if py:
         commands += [
-            ("ruff check", [*ruff, "check", "--no-fix", *py]),
-            ("ruff format", [*ruff, "format", "--check", *py]),
+            ("ruff check", [str(bin_dir / "ruff"), "check", "--no-fix", *py]),
+            ("ruff format", [str(bin_dir / "ruff"), "format", "--check", *py]),
+            ("mypy", [*tool, f"{_PRE_COMMIT}/mypy.py", _MYPY_PYTHON, *py]),
             ("SPDX headers", [*tool, f"{_PRE_COMMIT}/check_spdx_header.py", *py]),
             ("forbidden imports", [*tool, f"{_PRE_COMMIT}/check_forbidden_imports.py", *py]),
             ("torch.cuda calls", [*tool, f"{_PRE_COMMIT}/check_torch_cuda.py", *py]),
@@ -61,10 +72,60 @@ def lint_commands(tree: Path, base: str, python: Path) -> list[tuple[str, list[s
     return commands
 
 
-def run_lints(tree: Path, base: str, python: Path) -> list[LintResult]:
-    results = []
-    for name, cmd in lint_commands(tree, base, python):
-        proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+def run_lints(layout: Layout, base: str) -> list[LintResult]:
+    python = LINT.python(layout)
+    results = [check_linter_versions(layout)]
+    env = {
+        **os.environ,
+        # vLLM's mypy hook calls `mypy` from PATH.
+        "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "MYPY_CACHE_DIR": str(layout.cache_dir / "mypy"),
+    }
+    for name, cmd in lint_commands(layout.tree, base, python):
+        proc = subprocess.run(cmd, cwd=layout.tree, env=env, capture_output=True, text=True)
         results.append(LintResult(name, proc.returncode == 0,
                                   (proc.stdout + proc.stderr).strip()))
     return results
+
+
+# Pins in .pre-commit-config.yaml: a hook repository's `rev`, or an
+# additional dependency pinned with `==`.
+_HOOK_REPOS = {"ruff": "astral-sh/ruff-pre-commit", "typos": "crate-ci/typos"}
+_HOOK_DEPENDENCIES = ("mypy", "pydantic")
+
+
+def pre_commit_pins(config: str) -> dict[str, str]:
+    """The linter versions vLLM's pre-commit config pins, by package name."""
+    pins = {}
+    for package, repo in _HOOK_REPOS.items():
+        match = re.search(rf"repo: https://github\.com/{re.escape(repo)}\s*\n\s*rev: v?(\S+)",
+                          config)
+        if match:
+            pins[package] = match.group(1)
+    for package in _HOOK_DEPENDENCIES:
+        if match := re.search(rf"[\"']{package}==([^\"']+)[\"']", config):
+            pins[package] = match.group(1)
+    return pins
+
+
+def locked_versions(lock: str) -> dict[str, str]:
+    return {m.group(1).lower(): m.group(2)
+            for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", lock, re.MULTILINE)}
+
+
+def check_linter_versions(layout: Layout) -> LintResult:
+    config_path = layout.tree / ".pre-commit-config.yaml"
+    lock_path = LINT.lock(layout)
+    wanted = pre_commit_pins(config_path.read_text())
+    locked = locked_versions(lock_path.read_text())
+    problems = [f"{config_path.name} pins {name}=={version}, "
+                f"{lock_path.name} has {locked.get(name, 'nothing')}"
+                for name, version in sorted(wanted.items()) if locked.get(name) != version]
+    missing = sorted((set(_HOOK_REPOS) | set(_HOOK_DEPENDENCIES)) - set(wanted))
+    problems += [f"{config_path.name} no longer pins {name} where this check looks"
+                 for name in missing]
+    if problems:
+        problems.append("next step: update requirements/lint.in, run `make lock`, then "
+                        "`make test` (and scripts/lint.py if the config's layout changed)")
+    return LintResult("linter versions match vLLM's pre-commit", not problems,
+                      "\n".join(problems))

@@ -23,6 +23,7 @@ from pathlib import Path
 from scripts.common import Layout, StackError, say
 from scripts.gitrepo import git, read_state
 from scripts.lint import run_lints
+from scripts.lock import LINT
 from scripts.venv import venv_python
 
 REGRESSION_LIST = "tests/vllm_regression.txt"
@@ -39,16 +40,17 @@ class Outcome:
 
 
 def run_all(layout: Layout) -> int:
-    python = venv_python(layout)
-    if not python.exists():
-        raise StackError(".venv is missing; run `make build` (make test does it for you)")
+    for python in (venv_python(layout), LINT.python(layout)):
+        if not python.exists():
+            raise StackError(f"{python.parent.parent.name} is missing; run `make build` "
+                             "(make test does it for you)")
     base = read_state(layout.tree)["base_tag"]
     results_dir = layout.build_dir / "test-results"
     results_dir.mkdir(parents=True, exist_ok=True)
     stack_tests = _stack_test_files(layout, base)
     outcomes = [
         _pytest(layout, "tooling", ["tests/tooling"], layout.root, results_dir),
-        _lint(layout, base, python),
+        _lint(layout, base),
     ]
     if stack_tests:
         outcomes.append(_pytest(layout, "stack", stack_tests, layout.tree, results_dir))
@@ -113,11 +115,11 @@ def _read_junit(suite: str, xml: Path) -> Outcome:
     return outcome
 
 
-def _lint(layout: Layout, base: str, python: Path) -> Outcome:
+def _lint(layout: Layout, base: str) -> Outcome:
     say("\n=== lint: vLLM's pre-commit checks on the files the stack changes")
     start = time.monotonic()
     outcome = Outcome("lint")
-    for result in run_lints(layout.tree, base, python):
+    for result in run_lints(layout, base):
         say(f"  {'ok  ' if result.ok else 'FAIL'} {result.name}")
         if not result.ok:
             say("    " + result.output.replace("\n", "\n    "))

@@ -1,8 +1,10 @@
-"""`make build`: .venv with the locked dependencies and the patched tree installed.
+"""`make build`: .venv with the patched tree installed, and .venv-lint.
 
-The patched tree is installed as a python-only editable build against the
+Both are installed from their hash-pinned locks (scripts/lock.py). The patched
+tree is installed into .venv as a python-only editable build against the
 pinned wheel's compiled kernels, so the stack never needs a CUDA/ROCm
-toolchain. A stamp file records what is installed; only what changed is redone.
+toolchain. A stamp file in each venv records what is installed; only what
+changed is redone.
 """
 
 from __future__ import annotations
@@ -17,27 +19,28 @@ from pathlib import Path
 from scripts.common import Layout, StackError, rel, run, say
 from scripts.fetch import ensure_artifact
 from scripts.gitrepo import dirty_files, is_stack_repo, read_state
-from scripts.lock import lock_file
+from scripts.lock import ENVIRONMENTS, VENV, LockedEnv
 from scripts.pin import Pin, load_pin
 
 
 def venv_python(layout: Layout) -> Path:
-    return layout.venv / "bin" / "python"
+    return VENV.python(layout)
 
 
-def _stamp_path(layout: Layout) -> Path:
-    return layout.venv / "k3-stack-build.json"
+def _stamp_path(layout: Layout, env: LockedEnv) -> Path:
+    return env.path(layout) / "k3-stack-build.json"
 
 
-def _read_stamp(layout: Layout) -> dict:
+def _read_stamp(layout: Layout, env: LockedEnv = VENV) -> dict:
     try:
-        return json.loads(_stamp_path(layout).read_text())
+        return json.loads(_stamp_path(layout, env).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 
 
-def _write_stamp(layout: Layout, **updates) -> None:
-    _stamp_path(layout).write_text(json.dumps({**_read_stamp(layout), **updates}, indent=1))
+def _write_stamp(layout: Layout, env: LockedEnv = VENV, **updates) -> None:
+    stamp = {**_read_stamp(layout, env), **updates}
+    _stamp_path(layout, env).write_text(json.dumps(stamp, indent=1))
 
 
 def pip_env(layout: Layout) -> dict[str, str]:
@@ -51,23 +54,25 @@ def build(layout: Layout) -> None:
     if not is_stack_repo(layout.tree):
         raise StackError(f"{rel(layout.tree, layout)} does not exist; run `make apply` first")
     wheel = ensure_artifact(layout, pin.project, pin.wheel)
-    if not venv_python(layout).exists():
-        say(f"creating {rel(layout.venv, layout)}")
-        run([sys.executable, "-m", "venv", str(layout.venv)])
-    _install_locked_dependencies(layout)
+    for env in ENVIRONMENTS:
+        _install_locked_dependencies(layout, env)
     _install_patched_tree(layout, pin, wheel)
     _verify_import(layout)
 
 
-def _install_locked_dependencies(layout: Layout) -> None:
-    lock = lock_file(layout)
+def _install_locked_dependencies(layout: Layout, env: LockedEnv) -> None:
+    if not env.python(layout).exists():
+        say(f"creating {rel(env.path(layout), layout)}")
+        run([sys.executable, "-m", "venv", str(env.path(layout))])
+    lock = env.lock(layout)
     digest = hashlib.sha256(lock.read_bytes()).hexdigest()
-    if _read_stamp(layout).get("lock_sha256") == digest:
+    if _read_stamp(layout, env).get("lock_sha256") == digest:
         return
-    say(f"installing the locked dependencies ({rel(lock, layout)}; ~9 GB, a few minutes "
-        "on a cold cache)")
-    _pip(layout, "install", "--require-hashes", "--no-deps", "-r", str(lock))
-    _write_stamp(layout, lock_sha256=digest, editable=None)
+    size = " (~9 GB, a few minutes on a cold cache)" if env.with_vllm_dependencies else ""
+    say(f"installing {rel(lock, layout)} into {rel(env.path(layout), layout)}{size}")
+    _pip(env.python(layout), layout, "install", "--require-hashes", "--no-deps",
+         "-r", str(lock))
+    _write_stamp(layout, env, lock_sha256=digest, editable=None)
 
 
 def _install_patched_tree(layout: Layout, pin: Pin, wheel: Path) -> None:
@@ -88,8 +93,8 @@ def _install_patched_tree(layout: Layout, pin: Pin, wheel: Path) -> None:
         "SETUPTOOLS_SCM_PRETEND_VERSION": pin.version,
         "SETUPTOOLS_SCM_PRETEND_METADATA": f'{{node="{pin.commit}"}}',
     }
-    _pip(layout, "install", "--no-build-isolation", "--no-deps", "-e", str(layout.tree),
-         env=env)
+    _pip(venv_python(layout), layout, "install", "--no-build-isolation", "--no-deps",
+         "-e", str(layout.tree), env=env)
     if new := set(dirty_files(layout.tree)) - before:
         raise StackError(f"the build changed tracked files in {rel(layout.tree, layout)}: "
                          f"{', '.join(sorted(new))}; add them to the excludes in "
@@ -109,8 +114,9 @@ def _verify_import(layout: Layout) -> None:
     say(f".venv: vllm {version} from {rel(Path(where).parent, layout)}")
 
 
-def _pip(layout: Layout, *args: str, env: dict[str, str] | None = None) -> None:
-    cmd = [str(venv_python(layout)), "-m", "pip", *args]
+def _pip(python: Path, layout: Layout, *args: str,
+         env: dict[str, str] | None = None) -> None:
+    cmd = [str(python), "-m", "pip", *args]
     full_env = {**os.environ, **pip_env(layout), **(env or {})}
     # pip's log is long; keep it out of the way and show its end if pip fails.
     result = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE,
