@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
-
 from tests.tooling.conftest import (
     PATCH_1,
     PATCH_2,
