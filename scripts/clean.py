@@ -12,7 +12,7 @@ from scripts.common import Layout, rel, say, warn
 from scripts.gitrepo import is_stack_repo
 from scripts.stack import guard_tree
 
-_GENERATED = ("check-base", "drift-base", "test-results")
+_GENERATED = ("check-base", "drift-base", "prefix-tree", "test-results")
 
 
 def clean(layout: Layout) -> None:

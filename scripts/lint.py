@@ -72,17 +72,18 @@ def lint_commands(tree: Path, base: str, python: Path) -> list[tuple[str, list[s
     return commands
 
 
-def run_lints(layout: Layout, base: str) -> list[LintResult]:
+def run_lints(layout: Layout, base: str, tree: Path) -> list[LintResult]:
+    """Lint the files `tree` (build/vllm or a worktree of it) changes since `base`."""
     python = LINT.python(layout)
-    results = [check_linter_versions(layout)]
+    results = [check_linter_versions(layout, tree)]
     env = {
         **os.environ,
         # vLLM's mypy hook calls `mypy` from PATH.
         "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "MYPY_CACHE_DIR": str(layout.cache_dir / "mypy"),
     }
-    for name, cmd in lint_commands(layout.tree, base, python):
-        proc = subprocess.run(cmd, cwd=layout.tree, env=env, capture_output=True, text=True)
+    for name, cmd in lint_commands(tree, base, python):
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
         results.append(LintResult(name, proc.returncode == 0,
                                   (proc.stdout + proc.stderr).strip()))
     return results
@@ -113,8 +114,8 @@ def locked_versions(lock: str) -> dict[str, str]:
             for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", lock, re.MULTILINE)}
 
 
-def check_linter_versions(layout: Layout) -> LintResult:
-    config_path = layout.tree / ".pre-commit-config.yaml"
+def check_linter_versions(layout: Layout, tree: Path) -> LintResult:
+    config_path = tree / ".pre-commit-config.yaml"
     lock_path = LINT.lock(layout)
     wanted = pre_commit_pins(config_path.read_text())
     locked = locked_versions(lock_path.read_text())

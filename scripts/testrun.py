@@ -4,6 +4,8 @@ Suites, in order:
 - tooling: tests of this repository's scripts (tests/tooling/);
 - lint: vLLM's pre-commit checks on the files the stack changes;
 - stack: the vLLM test files the stack adds or changes, run in build/vllm;
+- prefix k/n: each shorter prefix of the stack, linted and with the vLLM test
+  files it adds or changes, run in a worktree (scripts/prefixes.py);
 - regression: vLLM's existing tests of the code the stack touches
   (tests/vllm_regression.txt), run in build/vllm;
 - verification: this project's end-to-end checks of both drafters on CPU
@@ -24,6 +26,7 @@ from scripts.common import Layout, StackError, say
 from scripts.gitrepo import git, read_state
 from scripts.lint import run_lints
 from scripts.lock import LINT
+from scripts.prefixes import check_out, prefix_commits, prefix_worktree, python_path
 from scripts.venv import venv_python
 
 REGRESSION_LIST = "tests/vllm_regression.txt"
@@ -47,15 +50,16 @@ def run_all(layout: Layout) -> int:
     base = read_state(layout.tree)["base_tag"]
     results_dir = layout.build_dir / "test-results"
     results_dir.mkdir(parents=True, exist_ok=True)
-    stack_tests = _stack_test_files(layout, base)
+    stack_tests = _stack_test_files(layout.tree, base)
     outcomes = [
         _pytest(layout, "tooling", ["tests/tooling"], layout.root, results_dir),
-        _lint(layout, base),
+        _lint(layout, base, layout.tree),
     ]
     if stack_tests:
         outcomes.append(_pytest(layout, "stack", stack_tests, layout.tree, results_dir))
     else:
         outcomes.append(Outcome("stack", note="the stack adds or changes no vLLM tests"))
+    outcomes += _prefix_outcomes(layout, base, results_dir)
     outcomes.append(_pytest(layout, "regression", _regression_args(layout, stack_tests),
                             layout.tree, results_dir))
     outcomes.append(_pytest(layout, "verification", ["tests/verification"], layout.root,
@@ -63,8 +67,8 @@ def run_all(layout: Layout) -> int:
     return _summarize(outcomes)
 
 
-def _stack_test_files(layout: Layout, base: str) -> list[str]:
-    out = git(layout.tree, "diff", "--no-renames", "--name-only", "--diff-filter=AM",
+def _stack_test_files(tree: Path, base: str) -> list[str]:
+    out = git(tree, "diff", "--no-renames", "--name-only", "--diff-filter=AM",
               base, "HEAD", "--", "tests/").stdout.split()
     return [f for f in out if Path(f).name.startswith("test_") and f.endswith(".py")]
 
@@ -83,11 +87,38 @@ def _regression_args(layout: Layout, already_run: list[str]) -> list[str]:
     return args
 
 
+def _prefix_outcomes(layout: Layout, base: str, results_dir: Path) -> list[Outcome]:
+    """Lint and stack tests of each proper prefix of the stack, one row each."""
+    commits = prefix_commits(layout.tree, base)
+    if not commits:
+        return []
+    total = len(commits) + 1
+    outcomes = []
+    with prefix_worktree(layout) as worktree:
+        for k, commit in enumerate(commits, start=1):
+            suite = f"prefix {k}/{total}"
+            subject = git(layout.tree, "log", "-1", "--format=%s", commit).stdout.strip()
+            say(f"\n=== {suite}: the stack up to {subject!r}")
+            check_out(layout, worktree, commit)
+            outcome = _lint(layout, base, worktree, suite=suite)
+            if tests := _stack_test_files(worktree, base):
+                tested = _pytest(layout, suite, tests, worktree, results_dir,
+                                 python_path=python_path(layout, worktree))
+                outcome.passed += tested.passed
+                outcome.failed += tested.failed
+                outcome.skipped += tested.skipped
+                outcome.seconds += tested.seconds
+                outcome.note = tested.note
+            outcomes.append(outcome)
+    return outcomes
+
+
 def _pytest(layout: Layout, suite: str, args: list[str], cwd: Path,
-            results_dir: Path) -> Outcome:
-    xml = results_dir / f"{suite}.xml"
+            results_dir: Path, python_path: str | None = None) -> Outcome:
+    xml = results_dir / f"{suite.replace(' ', '-').replace('/', '-of-')}.xml"
     xml.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(layout.root), "K3_PROJECT_ROOT": str(layout.root)}
+    env = {**os.environ, "PYTHONPATH": python_path or str(layout.root),
+           "K3_PROJECT_ROOT": str(layout.root)}
     cmd = [str(venv_python(layout)), "-m", "pytest", "-q", "-p", "no:cacheprovider",
            f"--junitxml={xml}", *args]
     say(f"\n=== {suite}: pytest {' '.join(args)}  (in {cwd})")
@@ -115,11 +146,11 @@ def _read_junit(suite: str, xml: Path) -> Outcome:
     return outcome
 
 
-def _lint(layout: Layout, base: str) -> Outcome:
-    say("\n=== lint: vLLM's pre-commit checks on the files the stack changes")
+def _lint(layout: Layout, base: str, tree: Path, suite: str = "lint") -> Outcome:
+    say(f"\n=== {suite}: vLLM's pre-commit checks on the files the stack changes")
     start = time.monotonic()
-    outcome = Outcome("lint")
-    for result in run_lints(layout, base):
+    outcome = Outcome(suite)
+    for result in run_lints(layout, base, tree):
         say(f"  {'ok  ' if result.ok else 'FAIL'} {result.name}")
         if not result.ok:
             say("    " + result.output.replace("\n", "\n    "))

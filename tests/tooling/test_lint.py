@@ -40,13 +40,13 @@ typos==1.43.5 \\
 """
 
 
-def _project(tmp_path: Path, config: str, lock: str) -> Layout:
+def _project(tmp_path: Path, config: str, lock: str) -> tuple[Layout, Path]:
     layout = Layout(tmp_path)
     layout.tree.mkdir(parents=True)
     (layout.tree / ".pre-commit-config.yaml").write_text(config)
     (tmp_path / "requirements").mkdir()
     (tmp_path / "requirements" / "lint.lock").write_text(lock)
-    return layout
+    return layout, layout.tree
 
 
 def test_pre_commit_pins_are_read_from_hook_revs_and_dependencies():
@@ -62,7 +62,7 @@ def test_the_real_lock_matches_the_real_pin_list():
 
 
 def test_matching_versions_pass(tmp_path):
-    result = lint.check_linter_versions(_project(tmp_path, PRE_COMMIT_CONFIG, LOCK))
+    result = lint.check_linter_versions(*_project(tmp_path, PRE_COMMIT_CONFIG, LOCK))
     assert result.ok, result.output
 
 
@@ -74,7 +74,7 @@ def test_matching_versions_pass(tmp_path):
 def test_a_release_pinning_other_linters_fails_with_the_next_step(tmp_path, old, new,
                                                                    message):
     config = PRE_COMMIT_CONFIG.replace(old, new)
-    result = lint.check_linter_versions(_project(tmp_path, config, LOCK))
+    result = lint.check_linter_versions(*_project(tmp_path, config, LOCK))
     assert not result.ok
     assert f".pre-commit-config.yaml {message}" in result.output
     assert "run `make lock`" in result.output
@@ -82,6 +82,6 @@ def test_a_release_pinning_other_linters_fails_with_the_next_step(tmp_path, old,
 
 def test_a_config_that_moved_its_pins_is_reported(tmp_path):
     config = PRE_COMMIT_CONFIG.replace('"pydantic==2.13.5"', "pydantic")
-    result = lint.check_linter_versions(_project(tmp_path, config, LOCK))
+    result = lint.check_linter_versions(*_project(tmp_path, config, LOCK))
     assert not result.ok
     assert "no longer pins pydantic" in result.output
