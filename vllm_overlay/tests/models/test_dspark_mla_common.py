@@ -256,10 +256,10 @@ class _WrappedLayer:
         return self.self_attn.mla_attn
 
 
-def _model(
-    layers, recorder, monkeypatch, model_cls=K3DSparkModelBase
-) -> K3DSparkModelBase:
-    monkeypatch.setattr(common_dspark_mla, "ops", recorder)
+def stub_context_kv_gpu_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU stand-ins for the GPU runtime the context-KV path uses: a workspace
+    manager handing out plain tensors, and the stream-capture query, which
+    raises without a CUDA driver (nothing is captured on CPU)."""
     monkeypatch.setattr(
         common_dspark_mla,
         "current_workspace_manager",
@@ -269,8 +269,14 @@ def _model(
             )
         ),
     )
-    # Without a CUDA driver this query raises; nothing is captured on CPU.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def _model(
+    layers, recorder, monkeypatch, model_cls=K3DSparkModelBase
+) -> K3DSparkModelBase:
+    monkeypatch.setattr(common_dspark_mla, "ops", recorder)
+    stub_context_kv_gpu_runtime(monkeypatch)
     model = object.__new__(model_cls)
     nn.Module.__init__(model)
     model.layers = layers

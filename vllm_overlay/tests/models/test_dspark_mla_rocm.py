@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests.models.test_dspark_mla_common import stub_context_kv_gpu_runtime
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 from vllm.config.cache import CacheConfig
 from vllm.distributed import (
@@ -399,17 +400,7 @@ def test_k3_dspark_rocm_grouped_context_kv_insert(
     draft = build_draft(_k3_config(), cache_dtype=cache_dtype, dtype=torch.float32)
     ops = _CustomOps()
     monkeypatch.setattr(common_dspark_mla, "ops", ops)
-    monkeypatch.setattr(
-        common_dspark_mla,
-        "current_workspace_manager",
-        lambda: SimpleNamespace(
-            get_simultaneous=lambda *specs: tuple(
-                torch.empty(shape, dtype=dtype) for shape, dtype in specs
-            )
-        ),
-    )
-    # Without a CUDA driver this query raises; nothing is captured on CPU.
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    stub_context_kv_gpu_runtime(monkeypatch)
     owners = [layer.self_attn.mla_attn for layer in draft.model.layers]
     for i, owner in enumerate(owners):
         owner._k_scale = torch.tensor([0.5 + i])
