@@ -4,7 +4,7 @@
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
-.PHONY: help apply patches rebase drift overlay install-overlay build test check lock clean fetch
+.PHONY: help apply patches rebase drift overlay install-overlay build test check bench lock clean fetch
 
 help:
 	@echo "make apply      fetch pinned vLLM, apply patches/series -> build/vllm, vllm_overlay/"
@@ -14,6 +14,7 @@ help:
 	@echo "make rebase VLLM_VERSION=x.y.z   move the stack to another vLLM release"
 	@echo "make drift [VLLM_VERSION=x.y.z]  try the stack on the newest release (changes nothing)"
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
+	@echo "make bench      time apply/check/patches against their goals (prints figures)"
 	@echo "make build | lock | fetch | clean"
 
 apply:
@@ -44,6 +45,9 @@ test: build
 
 check:
 	$(STACK) check
+
+bench:
+	$(STACK) bench
 
 lock:
 	$(STACK) lock

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("lock", help="regenerate requirements/venv.lock and lint.lock with pip")
     sub.add_parser("build", help="create .venv (patched vLLM) and .venv-lint (linters)")
     sub.add_parser("test", help="run every test suite against the patched vLLM")
+    sub.add_parser("bench", help="time the everyday commands against their goals")
     sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
     args = parser.parse_args(argv)
     layout = Layout.default()
@@ -92,6 +93,10 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
         from scripts.testrun import run_all
 
         return run_all(layout)
+    elif args.command == "bench":
+        from scripts.bench import bench
+
+        bench(layout)
     elif args.command == "clean":
         from scripts.clean import clean
 

@@ -1,0 +1,106 @@
+"""`make bench`: how long the everyday commands take, and how big the outputs are.
+
+The figures are printed next to their goals (a second `make apply` under 10 s,
+`make check` under 60 s), never asserted: timings depend on the machine and its
+load, so a timed test would flake. Every command runs as a user runs it
+(`python3 -m scripts <command>`) in a scratch copy of the project that shares
+the download cache, so build/vllm and the real project are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.common import Layout, StackError, say
+from scripts.fetch import ensure_artifact
+from scripts.pin import load_pin
+from scripts.series import read_series
+
+REPEATS = 3
+# The project files a scratch copy needs to apply, check and export the stack.
+_PROJECT_FILES = ("pin.toml", "patches", "vllm_overlay")
+
+
+@dataclass
+class Timing:
+    what: str
+    seconds: list[float]
+    goal: float | None = None
+
+    def row(self) -> str:
+        median = statistics.median(self.seconds)
+        goal = f"< {self.goal:.0f} s" if self.goal else "-"
+        verdict = "" if self.goal is None else (
+            "within goal" if median < self.goal else "OVER GOAL")
+        return (f"  {self.what:<38}{len(self.seconds):>5}{median:>9.2f}s"
+                f"{min(self.seconds):>9.2f}s  {goal:<8}{verdict}")
+
+
+def bench(layout: Layout) -> None:
+    pin = load_pin(layout.pin_file)
+    ensure_artifact(layout, pin.project, pin.sdist)  # time the commands, not a download
+    with tempfile.TemporaryDirectory(prefix="k3-bench-") as tmp:
+        scratch = Path(tmp) / "project"
+        _copy_project(layout, scratch)
+        env = {**os.environ, "K3_PROJECT_ROOT": str(scratch),
+               "K3_CACHE_DIR": str(layout.cache_dir)}
+        timings = [
+            Timing("make check, cold (no build/)", [_time("check", env)], goal=60),
+            Timing("make check, again", _repeat("check", env), goal=60),
+            Timing("make apply, cold (unpack + git am)", [_time("apply", env)]),
+            Timing("make apply, again", _repeat("apply", env), goal=10),
+            Timing("make patches, unchanged stack", _repeat("patches", env)),
+        ]
+        sizes = _sizes(Layout(scratch))
+    say(f"\n  {'command':<38}{'runs':>5}{'median':>10}{'min':>10}  {'goal':<8}")
+    for timing in timings:
+        say(timing.row())
+    say("")
+    for name, value in sizes:
+        say(f"  {name:<38}{value}")
+
+
+def _copy_project(layout: Layout, scratch: Path) -> None:
+    scratch.mkdir()
+    for name in _PROJECT_FILES:
+        source = layout.root / name
+        if source.is_dir():
+            shutil.copytree(source, scratch / name)
+        elif source.exists():
+            shutil.copy2(source, scratch / name)
+
+
+def _repeat(command: str, env: dict[str, str]) -> list[float]:
+    return [_time(command, env) for _ in range(REPEATS)]
+
+
+def _time(command: str, env: dict[str, str]) -> float:
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "scripts", command],
+                            cwd=Path(__file__).resolve().parents[1], env=env,
+                            capture_output=True, text=True)
+    seconds = time.monotonic() - start
+    if result.returncode != 0:
+        raise StackError(f"`make {command}` failed in the benchmark's scratch project:\n"
+                         f"{(result.stderr or result.stdout).strip()}")
+    return seconds
+
+
+def _sizes(layout: Layout) -> list[tuple[str, str]]:
+    patches = read_series(layout)
+    patch_bytes = sum(p.path.stat().st_size for p in patches)
+    overlay_files = [p for p in layout.overlay_dir.rglob("*") if p.is_file()]
+    overlay_bytes = sum(p.stat().st_size for p in overlay_files)
+    return [
+        ("patches", f"{len(patches)} files, {patch_bytes / 1024:.0f} KiB"),
+        ("vllm_overlay/ (incl. MANIFEST.json)",
+         f"{len(overlay_files)} files, {overlay_bytes / 1024:.0f} KiB"),
+    ]
