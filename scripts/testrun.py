@@ -147,7 +147,7 @@ def _read_junit(suite: str, xml: Path) -> Outcome:
 
 
 def _lint(layout: Layout, base: str, tree: Path, suite: str = "lint") -> Outcome:
-    say(f"\n=== {suite}: vLLM's pre-commit checks on the files the stack changes")
+    say(f"\n=== {suite}: vLLM's pre-commit checks on the files changed since {base}")
     start = time.monotonic()
     outcome = Outcome(suite)
     for result in run_lints(layout, base, tree):
