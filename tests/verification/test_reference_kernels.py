@@ -29,44 +29,23 @@ def test_concat_and_cache_mla_bf16_scatter_by_slot():
     assert torch.equal(cache, want)
 
 
-def test_concat_and_cache_mla_fp8_with_scale():
+@pytest.mark.parametrize(
+    ("fp8_dtype", "saturation"),
+    [(torch.float8_e4m3fn, 448.0), (torch.float8_e4m3fnuz, 240.0)],
+    ids=["e4m3fn", "e4m3fnuz-mi300"],
+)
+def test_concat_and_cache_mla_fp8_with_scale(fp8_dtype, saturation):
     kv_c = torch.tensor([[1.0, -3.0]], dtype=BF16)
     k_pe = torch.tensor([[1000.0, 0.5]], dtype=BF16)
     cache = torch.zeros(1, 2, 4, dtype=torch.uint8)
     R.concat_and_cache_mla(
-        kv_c,
-        k_pe,
-        cache,
-        torch.tensor([1]),
-        "fp8",
-        torch.tensor([0.5]),
-        fp8_dtype=torch.float8_e4m3fn,
+        kv_c, k_pe, cache, torch.tensor([1]), "fp8", torch.tensor([0.5]),
+        fp8_dtype=fp8_dtype,
     )
-    # x / 0.5: 2, -6, 2000 -> saturates at 448, 1
-    assert cache[0, 1].view(torch.float8_e4m3fn).float().tolist() == [
-        2.0,
-        -6.0,
-        448.0,
-        1.0,
-    ]
+    # x / 0.5: 2, -6, 2000 -> saturates at the format's max, 1
+    got = cache[0, 1].view(fp8_dtype).float().tolist()
+    assert got == [2.0, -6.0, saturation, 1.0]
     assert cache[0, 0].tolist() == [0, 0, 0, 0]
-    # fnuz (MI300) saturates at 240
-    cache.zero_()
-    R.concat_and_cache_mla(
-        kv_c,
-        k_pe,
-        cache,
-        torch.tensor([0]),
-        "fp8",
-        torch.tensor([0.5]),
-        fp8_dtype=torch.float8_e4m3fnuz,
-    )
-    assert cache[0, 0].view(torch.float8_e4m3fnuz).float().tolist() == [
-        2.0,
-        -6.0,
-        240.0,
-        1.0,
-    ]
 
 
 def test_concat_and_cache_mla_reads_fp32_k_pe_as_bf16_bits():
