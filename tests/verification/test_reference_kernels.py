@@ -117,49 +117,21 @@ def test_grouped_insert_fp8_scales_and_rocm_e5m2_rejection():
     k_pe = torch.tensor([[[-2.0]], [[-2.0]]], dtype=BF16)
     ptrs = torch.tensor([c.data_ptr() for c in caches])
     slots = torch.zeros(2, 1, dtype=torch.int64)
-    R.concat_and_cache_mla_grouped(
-        kv_c,
-        k_pe,
-        ptrs,
-        slots,
-        1,
-        2,
-        2,
-        torch.tensor([2.0, 4.0]),
-        "fp8",
-        registry=reg,
-        rocm=True,
-        fp8_dtype=torch.float8_e4m3fn,
-    )
+    scales = torch.tensor([2.0, 4.0])
+
+    def insert(cache_dtype, **kwargs):
+        # block_size 1, block_stride 2, entry_stride 2: one 2-wide entry per block.
+        R.concat_and_cache_mla_grouped(
+            kv_c, k_pe, ptrs, slots, 1, 2, 2, scales, cache_dtype,
+            registry=reg, **kwargs,
+        )
+
+    insert("fp8", rocm=True, fp8_dtype=torch.float8_e4m3fn)
     assert caches[0].view(torch.float8_e4m3fn).float().flatten().tolist() == [4.0, -1.0]
     assert caches[1].view(torch.float8_e4m3fn).float().flatten().tolist() == [2.0, -0.5]
     with pytest.raises(RuntimeError, match="fp8_e5m2"):
-        R.concat_and_cache_mla_grouped(
-            kv_c,
-            k_pe,
-            ptrs,
-            slots,
-            1,
-            2,
-            2,
-            torch.tensor([2.0, 4.0]),
-            "fp8_e5m2",
-            registry=reg,
-            rocm=True,
-        )
-    R.concat_and_cache_mla_grouped(  # the CUDA build takes it
-        kv_c,
-        k_pe,
-        ptrs,
-        slots,
-        1,
-        2,
-        2,
-        torch.tensor([2.0, 4.0]),
-        "fp8_e5m2",
-        registry=reg,
-        rocm=False,
-    )
+        insert("fp8_e5m2", rocm=True)
+    insert("fp8_e5m2", rocm=False)  # the CUDA build takes it
     assert caches[0].view(torch.float8_e5m2).float().flatten().tolist() == [4.0, -1.0]
 
 
