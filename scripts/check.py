@@ -23,6 +23,9 @@ from scripts.pin import Pin, load_pin
 from scripts.series import Patch, check_patch_paths, metadata_problems, read_series
 
 _ALLOWED_EXTRA_FILES = {"series", "README.md"}
+# Per-patch PR notes (long rationale, hardware test plan) that `make export`
+# folds into each PR description: patches/notes/<patch file stem>.md.
+NOTES_DIR = "notes"
 
 
 def check(layout: Layout) -> int:
@@ -57,11 +60,23 @@ def _series_agreement(layout: Layout, patches: list[Patch]) -> list[str]:
     for path in sorted(layout.patches_dir.iterdir()):
         if path.name in listed or path.name in _ALLOWED_EXTRA_FILES:
             continue
-        if path.suffix == ".patch":
+        if path.name == NOTES_DIR and path.is_dir() and not path.is_symlink():
+            problems += _stray_notes(layout, path, listed)
+        elif path.suffix == ".patch":
             problems.append(f"{rel(path, layout)} is not listed in patches/series")
         else:
             problems.append(f"{rel(path, layout)} does not belong in patches/")
     return problems
+
+
+def _stray_notes(layout: Layout, notes_dir: Path, listed: set[str]) -> list[str]:
+    stems = {Path(name).stem for name in listed}
+    return [
+        f"{rel(path, layout)} belongs to no patch in patches/series "
+        "(rename it after its patch, or delete it with the patch)"
+        for path in sorted(notes_dir.iterdir())
+        if path.suffix != ".md" or path.stem not in stems or not path.is_file()
+    ]
 
 
 def _base_repo(layout: Layout, pin: Pin) -> Path:

@@ -105,6 +105,17 @@ def test_check_fails_on_a_stray_file_in_patches(stacked):
     assert "FAIL patches/notes.txt does not belong in patches/" in result.stdout
 
 
+def test_check_accepts_notes_of_listed_patches_only(stacked):
+    notes = stacked.patches / "notes"
+    notes.mkdir()
+    (notes / PATCH_1.replace(".patch", ".md")).write_text("## Rationale\n")
+    assert stacked.run("check").returncode == 0
+    (notes / "dropped-patch.md").write_text("## Rationale\n")
+    result = stacked.run("check")
+    assert result.returncode == 1
+    assert "FAIL patches/notes/dropped-patch.md belongs to no patch" in result.stdout
+
+
 def test_check_does_not_touch_build_tree(stacked):
     head = stacked.head()
     (stacked.tree / "vllm/models/bar.py").write_text("# work in progress\n")

@@ -12,6 +12,8 @@ from tests.verification.harness import drafter as D
 
 
 def body_loading(which, confidence, rope):
+    from vllm.models.kimi_k3.common.mla_rope import get_k3_mla_rope
+
     cls = D.drafter_cls(which)
     draft = D.build(rope=rope, confidence=confidence, cls=cls)
     model, cfg, ckpt = draft.model, draft.hf_config, draft.checkpoint
@@ -78,8 +80,13 @@ def body_loading(which, confidence, rope):
         want_cls = {
             "default": "RotaryEmbedding",
             "deepseek_yarn": "DeepseekScalingRotaryEmbedding",
-        }
-        assert type(rotary).__name__ == want_cls[rope_type]
+        }[rope_type]
+        if which == "amd":
+            # One in-place rotary launch on the same fp32 table.
+            want_cls = "K3DSparkRotaryEmbedding"
+            rope, _ = get_k3_mla_rope(cfg, cfg.qk_rope_head_dim)
+            assert torch.equal(rotary.cos_sin_cache, rope.cos_sin_cache)
+        assert type(rotary).__name__ == want_cls
         qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         assert owner.impl.scale == pytest.approx(
             qk_head_dim**-0.5 * scale_mult, rel=1e-6

@@ -158,3 +158,17 @@ def test_rotary_embedding_interleaved_in_place():
     R.rotary_embedding(torch.tensor([1]), k, None, 4, cos_sin, is_neox=True)
     # neox pairs (0,2) and (1,3): (1,3)->cos0 sin1 -> (-3, 1); (2,4)->(1, 2)
     assert k.flatten().tolist() == [-3.0, 1.0, 1.0, 2.0]
+
+
+def test_rotary_embedding_writes_through_strided_views():
+    # The ROCm drafter passes q[..., nope:] (head stride 6) and the k_pe slice
+    # of the latent projection; only the rope columns may change.
+    cos_sin = torch.tensor([[1.0, 1.0, 0.0, 0.0], [0.0, 0.5, 1.0, 0.0]])
+    q = torch.arange(12, dtype=BF16).view(1, 2, 6)
+    kv = torch.arange(6, dtype=BF16).view(1, 6)
+    R.rotary_embedding(
+        torch.tensor([1]), q[..., 2:], kv[:, 2:].unsqueeze(1), 4, cos_sin, False
+    )
+    assert q[..., :2].flatten().tolist() == [0.0, 1.0, 6.0, 7.0]
+    assert q[0, 0, 2:].tolist() == [-3.0, 2.0, 2.0, 2.5]
+    assert kv.flatten().tolist() == [0.0, 1.0, -3.0, 2.0, 2.0, 2.5]

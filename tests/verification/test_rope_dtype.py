@@ -40,6 +40,8 @@ def body_rope_slice(cache_dtype, pristine_rope=False):
     if pristine_rope:
         _restore_pristine_rope_promotion()
     draft, front = _front_end(cache_dtype)
+    if pristine_rope:
+        _call_the_rope_module(front, draft.hf_config)
     attn = front.mla_attn
     cfg = draft.hf_config
     width = attn.kv_lora_rank + attn.qk_rope_head_dim
@@ -121,6 +123,15 @@ def _restore_pristine_rope_promotion():
     Rope.forward_static = staticmethod(promoting)
 
 
+def _call_the_rope_module(front, cfg):
+    """Undo the ROCm drafter's in-place rotary launch: hand the wrapper the
+    rope module itself, as the first ROCm drafter did (its forward_hip is
+    forward_native, so the promotion above reaches k_pe)."""
+    from vllm.models.kimi_k3.common.mla_rope import get_k3_mla_rope
+
+    front.rotary_emb, _ = get_k3_mla_rope(cfg, cfg.qk_rope_head_dim)
+
+
 def _tolerance(m, cache_dtype):
     return (0.15 if cache_dtype == "fp8" else 2e-2) * m["rope_scale"]
 
@@ -149,8 +160,9 @@ def test_attention_inputs_match_reference(rocm, record_property):
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
 def test_cached_rope_slice_without_the_fix(rocm, record_property, cache_dtype):
     """The review's measurement (1.6e38 auto, 450 fp8 on MI355X), reproduced:
-    with 0.33.0's promotion back, fp32 k_pe reaches the cache write and the rope
-    slice is garbage while kv_c stays exact. Guards the harness's sensitivity."""
+    with 0.33.0's promotion back and the rope module called as the first ROCm
+    drafter did, fp32 k_pe reaches the cache write and the rope slice is
+    garbage while kv_c stays exact. Guards the harness's sensitivity."""
     m = rocm.call(body_rope_slice, cache_dtype=cache_dtype, pristine_rope=True)
     record_property(
         f"measure:rope_slice_max_err_without_fix[{cache_dtype}]", m["rope_err"]

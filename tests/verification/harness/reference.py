@@ -281,28 +281,25 @@ def rotary_embedding(
 
     ``cos_sin_cache`` is [max_pos, rot_dim] = [cos | sin] (any float dtype,
     read as fp32); the math is fp32 and the result is stored in the input's
-    dtype. Interleaved (GPT-J) pairs (2i, 2i+1) unless ``is_neox``.
+    dtype. Interleaved (GPT-J) pairs (2i, 2i+1) unless ``is_neox``. Like the
+    kernel, it writes through strided views ([tokens, heads, head_size] with
+    any token and head stride, or a flat [tokens, heads * head_size]).
     """
     rot_dim = cos_sin_cache.shape[1]
     half = rot_dim // 2
     cs = cos_sin_cache.float()[positions.reshape(-1).long()]
-    cos, sin = cs[:, :half], cs[:, half:]
+    c, s = cs[:, None, :half], cs[:, None, half:]
     for t in (query, key):
         if t is None:
             continue
-        view = t.view(positions.numel(), -1, head_size)[..., :rot_dim]
-        xf = view.float()
+        heads = t if t.dim() == 3 else t.unflatten(-1, (-1, head_size))
         if is_neox:
-            x, y = xf[..., :half], xf[..., half:]
+            x_view, y_view = heads[..., :half], heads[..., half:rot_dim]
         else:
-            x, y = xf[..., 0::2], xf[..., 1::2]
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        nx, ny = x * c - y * s, y * c + x * s
-        if is_neox:
-            res = torch.cat([nx, ny], dim=-1)
-        else:
-            res = torch.stack([nx, ny], dim=-1).flatten(-2)
-        view.copy_(res.to(t.dtype))
+            x_view, y_view = heads[..., 0:rot_dim:2], heads[..., 1:rot_dim:2]
+        x, y = x_view.float(), y_view.float()
+        x_view.copy_((x * c - y * s).to(t.dtype))
+        y_view.copy_((y * c + x * s).to(t.dtype))
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""CPU tests for the platform-neutral K3 DSpark MLA drafter base."""
+"""CPU tests for the platform-neutral K3 DSpark MLA drafter base and its
+NVIDIA binding. Custom ops, ``impl`` and the stream-capture query are
+replaced where they need a GPU."""
 
 import ast
 import math
@@ -25,6 +27,7 @@ from vllm.models.kimi_k3.nvidia.dspark_mla import (
     K3DSparkForCausalLM,
     K3DSparkModel,
 )
+from vllm.v1.worker.workspace import WorkspaceManager
 
 _KIMI_K3 = "vllm.models.kimi_k3"
 _COMMON_PACKAGE = f"{_KIMI_K3}.common"
@@ -70,23 +73,6 @@ def _platform_imports(source: str) -> list[str]:
 
 
 @pytest.mark.cpu_test
-@pytest.mark.parametrize(
-    "source",
-    [
-        "from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention",
-        "import vllm.models.kimi_k3.amd.mla",
-        "from vllm.models.kimi_k3 import K3DSparkForCausalLM",
-        "from vllm.models.kimi_k3 import amd",
-        "from ..nvidia.model import KimiMLP",
-        "from .. import nvidia",
-        "import importlib\nimportlib.import_module('vllm.models.kimi_k3.amd')",
-    ],
-)
-def test_platform_import_check_catches_platform_imports(source):
-    assert _platform_imports(source)
-
-
-@pytest.mark.cpu_test
 @pytest.mark.parametrize("module_file", _COMMON_MODULES)
 def test_k3_dspark_common_modules_import_no_platform_module(module_file):
     # Checked on the source: importing the module runs vllm.models.kimi_k3's
@@ -105,12 +91,10 @@ def test_k3_dspark_nvidia_binding_uses_nvidia_mla(monkeypatch):
     assert issubclass(K3DSparkForCausalLM, K3DSparkForCausalLMBase)
     assert K3DSparkModel.decoder_layer_cls is K3DSparkDecoderLayer
     assert K3DSparkForCausalLM.model_cls is K3DSparkModel
-    assert K3DSparkDecoderLayer.mlp_cls is KimiMLP
     assert nvidia_dspark_mla.MultiHeadLatentAttention is MultiHeadLatentAttention
+    assert nvidia_dspark_mla.KimiMLP is KimiMLP
     # NVIDIA's MLA module owns its KV cache: the default seam is kept.
-    assert K3DSparkDecoderLayer.kv_cache_owner is (
-        K3DSparkDecoderLayerBase.kv_cache_owner
-    )
+    assert K3DSparkModel.kv_cache_layer is K3DSparkModelBase.kv_cache_layer
 
     attn_calls: list[dict] = []
     mlp_calls: list[dict] = []
@@ -127,9 +111,9 @@ def test_k3_dspark_nvidia_binding_uses_nvidia_mla(monkeypatch):
         lambda **kwargs: RecordingModule(attn_calls, **kwargs),
     )
     monkeypatch.setattr(
-        K3DSparkDecoderLayer,
-        "mlp_cls",
-        staticmethod(lambda **kwargs: RecordingModule(mlp_calls, **kwargs)),
+        nvidia_dspark_mla,
+        "KimiMLP",
+        lambda **kwargs: RecordingModule(mlp_calls, **kwargs),
     )
     monkeypatch.setattr(common_dspark_mla, "get_draft_quant_config", lambda _: None)
     monkeypatch.setattr(common_dspark_mla, "RMSNorm", lambda *a, **kw: nn.Identity())
@@ -183,7 +167,6 @@ def test_k3_dspark_nvidia_binding_uses_nvidia_mla(monkeypatch):
         )
     ]
     assert layer.self_attn.o_proj.reduce_results is False
-    assert layer.kv_cache_owner() is layer.self_attn
 
 
 class _Recorder:
@@ -234,8 +217,6 @@ def _cache_state(layer_idx: int, recorder: _Recorder, dtype: str) -> dict:
 
 class _Layer:
     # The NVIDIA layout: the attention module owns the KV cache.
-    kv_cache_owner = K3DSparkDecoderLayerBase.kv_cache_owner
-
     def __init__(self, layer_idx: int, recorder: _Recorder, dtype: str):
         self.self_attn = _attention(
             layer_idx, recorder, **_cache_state(layer_idx, recorder, dtype)
@@ -252,31 +233,25 @@ class _WrappedLayer:
             mla_attn=SimpleNamespace(**_cache_state(layer_idx, recorder, dtype)),
         )
 
-    def kv_cache_owner(self):
-        return self.self_attn.mla_attn
+
+class _WrappedModel(K3DSparkModelBase):
+    def kv_cache_layer(self, attn):
+        return attn.mla_attn
 
 
-def stub_context_kv_gpu_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU stand-ins for the GPU runtime the context-KV path uses: a workspace
-    manager handing out plain tensors, and the stream-capture query, which
-    raises without a CUDA driver (nothing is captured on CPU)."""
+class _WrappedNoE5M2Model(_WrappedModel):
+    # A platform whose grouped kernel rejects fp8_e5m2 (ROCm in 0.33.0).
+    grouped_kv_cache_dtypes = K3DSparkModelBase.grouped_kv_cache_dtypes - {"fp8_e5m2"}
+
+
+def _model(layers, recorder, monkeypatch, model_cls) -> K3DSparkModelBase:
+    # The custom ops and the workspace need a GPU; nothing is captured on CPU.
+    monkeypatch.setattr(common_dspark_mla, "ops", recorder)
+    workspace = WorkspaceManager(torch.device("cpu"))
     monkeypatch.setattr(
-        common_dspark_mla,
-        "current_workspace_manager",
-        lambda: SimpleNamespace(
-            get_simultaneous=lambda *specs: tuple(
-                torch.empty(shape, dtype=dtype) for shape, dtype in specs
-            )
-        ),
+        common_dspark_mla, "current_workspace_manager", lambda: workspace
     )
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-
-
-def _model(
-    layers, recorder, monkeypatch, model_cls=K3DSparkModelBase
-) -> K3DSparkModelBase:
-    monkeypatch.setattr(common_dspark_mla, "ops", recorder)
-    stub_context_kv_gpu_runtime(monkeypatch)
     model = object.__new__(model_cls)
     nn.Module.__init__(model)
     model.layers = layers
@@ -292,26 +267,26 @@ def _precompute(model, slot_mapping):
     )
 
 
-def _grouped_ptrs(recorder: _Recorder) -> list[int]:
-    (call,) = [c for c in recorder.calls if c[0] == "concat_and_cache_mla_grouped"]
-    recorder.calls.clear()
-    return call[1].tolist()
-
-
 @pytest.mark.cpu_test
-def test_k3_dspark_kv_cache_owner_defaults_to_self_attn():
+def test_k3_dspark_kv_cache_layer_defaults_to_self_attn():
     attn = nn.Linear(1, 1)
-    layer = SimpleNamespace(self_attn=attn)
-    assert K3DSparkDecoderLayerBase.kv_cache_owner(layer) is attn
+    assert K3DSparkModelBase.kv_cache_layer(object.__new__(K3DSparkModel), attn) is (
+        attn
+    )
 
 
 @pytest.mark.cpu_test
-@pytest.mark.parametrize("layer_cls", [_Layer, _WrappedLayer])
-def test_k3_dspark_context_kv_goes_through_kv_cache_owner(layer_cls, monkeypatch):
+@pytest.mark.parametrize(
+    ("layer_cls", "model_cls"),
+    [(_Layer, K3DSparkModelBase), (_WrappedLayer, _WrappedModel)],
+)
+def test_k3_dspark_context_kv_goes_through_kv_cache_layer(
+    layer_cls, model_cls, monkeypatch
+):
     recorder = _Recorder()
     layers = [layer_cls(i, recorder, "fp8") for i in range(2)]
-    owners = [layer.kv_cache_owner() for layer in layers]
-    model = _model(layers, recorder, monkeypatch)
+    model = _model(layers, recorder, monkeypatch, model_cls)
+    cache_layers = [model.kv_cache_layer(layer.self_attn) for layer in layers]
     slots = torch.tensor([0, 1, 2])
 
     assert torch.equal(model._context_kv_scales, torch.tensor([0.5, 1.5]))
@@ -327,28 +302,23 @@ def test_k3_dspark_context_kv_goes_through_kv_cache_owner(layer_cls, monkeypatch
         "concat_and_cache_mla_grouped",
     ]
     grouped = recorder.calls[-1]
-    assert grouped[1].tolist() == [o.kv_cache.data_ptr() for o in owners]
+    assert grouped[1].tolist() == [cl.kv_cache.data_ptr() for cl in cache_layers]
     assert grouped[3:] == (2, 2 * KV_WIDTH, KV_WIDTH, model._context_kv_scales, "fp8")
     recorder.calls.clear()
 
     # A layer without a slot mapping falls back to per-layer cache updates.
     _precompute(model, [slots, None])
     (update,) = [c for c in recorder.calls if c[0] == "do_kv_cache_update"]
-    assert update[3] is owners[0].kv_cache
+    assert update[3] is cache_layers[0].kv_cache
     assert update[4] is slots
     assert update[5] == "fp8"
-    assert update[6] is owners[0]._k_scale
+    assert update[6] is cache_layers[0]._k_scale
 
     draft = SimpleNamespace(model=model)
     assert K3DSparkForCausalLMBase.get_draft_kv_cache_layer_names(draft) == [
         "model.layers.61.self_attn.attn",
         "model.layers.62.self_attn.attn",
     ]
-
-
-class _NoE5M2Model(K3DSparkModelBase):
-    # A platform whose grouped kernel rejects fp8_e5m2 (ROCm in 0.33.0).
-    grouped_kv_cache_dtypes = K3DSparkModelBase.grouped_kv_cache_dtypes - {"fp8_e5m2"}
 
 
 @pytest.mark.cpu_test
@@ -373,10 +343,10 @@ def test_k3_dspark_grouped_kv_cache_dtypes_default():
 @pytest.mark.parametrize(
     ("model_cls", "dtype", "grouped"),
     [
-        (K3DSparkModelBase, "fp8_e5m2", True),
-        (_NoE5M2Model, "fp8_e5m2", False),
-        (_NoE5M2Model, "fp8_e4m3", True),
-        (_NoE5M2Model, "auto", True),
+        (_WrappedModel, "fp8_e5m2", True),
+        (_WrappedNoE5M2Model, "fp8_e5m2", False),
+        (_WrappedNoE5M2Model, "fp8_e4m3", True),
+        (_WrappedNoE5M2Model, "auto", True),
     ],
 )
 def test_k3_dspark_grouped_insert_follows_platform_dtypes(
@@ -386,8 +356,8 @@ def test_k3_dspark_grouped_insert_follows_platform_dtypes(
     ``grouped_kv_cache_dtypes``; other dtypes fall back per layer."""
     recorder = _Recorder()
     layers = [_WrappedLayer(i, recorder, dtype) for i in range(2)]
-    owners = [layer.kv_cache_owner() for layer in layers]
     model = _model(layers, recorder, monkeypatch, model_cls)
+    cache_layers = [model.kv_cache_layer(layer.self_attn) for layer in layers]
     slots = torch.tensor([0, 1, 2])
 
     quantized = dtype.startswith("fp8")
@@ -405,23 +375,39 @@ def test_k3_dspark_grouped_insert_follows_platform_dtypes(
     else:
         assert "concat_and_cache_mla_grouped" not in names
         updates = [c for c in recorder.calls if c[0] == "do_kv_cache_update"]
-        assert len(updates) == len(owners)
-        for update, owner in zip(updates, owners):
-            assert update[3] is owner.kv_cache
+        assert len(updates) == len(cache_layers)
+        for update, cl in zip(updates, cache_layers):
+            assert update[3] is cl.kv_cache
             assert update[5] == dtype
-            assert update[6] is owner._k_scale
+            assert update[6] is cl._k_scale
+
+
+def _grouped_ptrs_arg(recorder: _Recorder) -> torch.Tensor:
+    (call,) = [c for c in recorder.calls if c[0] == "concat_and_cache_mla_grouped"]
+    recorder.calls.clear()
+    return call[1]
 
 
 @pytest.mark.cpu_test
-def test_k3_dspark_refreshes_cache_pointers_when_caches_move(monkeypatch):
+def test_k3_dspark_refreshes_cache_pointers_in_place(monkeypatch):
     """The grouped insert writes through an array of cache base addresses.
-    The context precompute first runs against the temporary caches used for
-    memory profiling; once the real caches are bound the array must be rebuilt
-    and the block layout re-checked, or the insert writes to freed memory."""
+    The context precompute first runs (and is graph-captured) against the
+    memory-profiling caches; the real caches are bound later. The array must
+    then hold the new addresses in the same storage, which a captured graph
+    still reads, and must never be allocated during graph capture."""
     recorder = _Recorder()
     layers = [_Layer(i, recorder, "auto") for i in range(2)]
-    model = _model(layers, recorder, monkeypatch)
+    model = _model(layers, recorder, monkeypatch, K3DSparkModelBase)
     slots = torch.tensor([0, 1, 2])
+    capturing = False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    make_tensor = torch.tensor
+
+    def tensor_outside_capture(*args, **kwargs):
+        assert not capturing, "allocated during graph capture"
+        return make_tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor_outside_capture)
 
     def bind(*caches):
         for layer, cache in zip(layers, caches):
@@ -431,32 +417,39 @@ def test_k3_dspark_refreshes_cache_pointers_when_caches_move(monkeypatch):
     # Keep every cache alive so that no address is reused.
     profiling = [layer.self_attn.kv_cache for layer in layers]
     _precompute(model, slots)
-    assert _grouped_ptrs(recorder) == [c.data_ptr() for c in profiling]
-    ptrs_array = model._context_cache_ptrs
-    _precompute(model, slots)
-    assert _grouped_ptrs(recorder) == [c.data_ptr() for c in profiling]
-    # Unchanged addresses reuse the array (it must not be rebuilt in capture).
-    assert model._context_cache_ptrs is ptrs_array
+    ptrs = _grouped_ptrs_arg(recorder)
+    storage = ptrs.data_ptr()
+    assert ptrs.tolist() == [c.data_ptr() for c in profiling]
 
+    # The real caches arrive; the first precompute on them takes the
+    # per-layer path (one layer has no slot mapping yet) ...
     real = [torch.zeros(4, 2, KV_WIDTH), torch.zeros(4, 2, KV_WIDTH)]
     expected = bind(*real)
-    _precompute(model, slots)
-    assert _grouped_ptrs(recorder) == expected
+    _precompute(model, [slots, None])
+    recorder.calls.clear()
+    # ... and the next one is captured: the array was refreshed before it.
+    states, positions = torch.zeros(3, 8), torch.tensor([0, 1, 2])
+    capturing = True
+    model.precompute_and_store_context_kv(states, positions, slots)
+    capturing = False
+    assert _grouped_ptrs_arg(recorder) is ptrs
+    assert ptrs.data_ptr() == storage
+    assert ptrs.tolist() == expected
 
     # Layers whose caches no longer share a block layout use per-layer updates.
     non_uniform = [torch.zeros(4, 2, KV_WIDTH), torch.zeros(2, 4, KV_WIDTH)]
     bind(*non_uniform)
     _precompute(model, slots)
     updates = [c for c in recorder.calls if c[0] == "do_kv_cache_update"]
-    assert len(updates) == 2
-    assert all(c[3] is cache for c, cache in zip(updates, non_uniform))
+    assert [c[3] for c in updates] == non_uniform
     assert not any(c[0] == "concat_and_cache_mla_grouped" for c in recorder.calls)
     recorder.calls.clear()
 
     uniform_again = [torch.zeros(4, 2, KV_WIDTH), torch.zeros(4, 2, KV_WIDTH)]
     expected = bind(*uniform_again)
     _precompute(model, slots)
-    assert _grouped_ptrs(recorder) == expected
+    assert _grouped_ptrs_arg(recorder) is ptrs
+    assert ptrs.tolist() == expected
 
 
 @pytest.mark.cpu_test

@@ -5,9 +5,11 @@
 The CPU tests build the real drafter (real ``KimiK3MultiHeadLatentAttentionWrapper``,
 linear layers, RMSNorm and ``get_rope``) with the wrapper's inner
 ``MLAAttention`` replaced by a recorder, which shows exactly what the attention
-receives. The emulated-ROCm tests make vLLM's real ``RocmPlatform`` the
-current platform in a fresh interpreter, so nothing leaks into other tests.
-``test_k3_dspark_rocm_decoder_builds_mla_wrapper`` needs ROCm.
+receives, and vLLM's compiled ops replaced by plain-torch references with
+the kernels' semantics. The emulated-ROCm tests make vLLM's real
+``RocmPlatform`` the current platform in a fresh interpreter, so nothing leaks
+into other tests. The ROCm-only tests are in
+``tests/models/kimi_k3/test_amd_dspark_mla.py``.
 """
 
 import math
@@ -22,7 +24,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.models.test_dspark_mla_common import stub_context_kv_gpu_runtime
+import vllm._custom_ops as custom_ops
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 from vllm.config.cache import CacheConfig
 from vllm.distributed import (
@@ -35,6 +37,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.rotary_embedding import (
     DeepseekScalingRotaryEmbedding,
+    RotaryEmbedding,
     get_rope,
 )
 from vllm.model_executor.models.qwen3_dspark import DSparkConfidenceHead
@@ -42,8 +45,9 @@ from vllm.models.kimi_k3.amd import dspark_mla as amd_dspark_mla
 from vllm.models.kimi_k3.amd import mla as amd_mla
 from vllm.models.kimi_k3.amd.mla import KimiK3MultiHeadLatentAttentionWrapper
 from vllm.models.kimi_k3.common import dspark_mla as common_dspark_mla
-from vllm.platforms import current_platform
 from vllm.transformers_utils.configs.k3_dspark import K3DSparkConfig
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
+from vllm.v1.worker.workspace import WorkspaceManager
 
 TARGET_LAYERS = 61
 YARN = {
@@ -119,6 +123,13 @@ class RecordingMLAAttention(nn.Module, AttentionLayerBase):
         self.num_heads = kwargs["num_heads"]
         self.layer_name = prefix
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config else "auto"
+        # What MLAAttention.get_kv_cache_spec reads. The drafter runs the
+        # backend of its speculative config, TRITON_MLA.
+        self.head_size = kwargs["kv_lora_rank"] + kwargs["qk_rope_head_dim"]
+        self.indexer = kwargs["indexer"]
+        self.sliding_window = None
+        self.topk_buffer_width = None
+        self.attn_backend = TritonMLABackend
         # As MLAAttention: kv_b_proj's weight is read directly, not run as GEMM.
         kwargs["kv_b_proj"]._cpu_skip_gemm_dispatch = True
         self.non_causal_multi_token_decode = kwargs["non_causal_multi_token_decode"]
@@ -171,8 +182,66 @@ def _vllm_config(config, cache_dtype="auto"):
     )
 
 
+def _reference_rotary_embedding(
+    positions, query, key, head_size, cos_sin_cache, is_neox
+):
+    """``_C.rotary_embedding`` (csrc/pos_encoding_kernels.cu) in plain torch:
+    in place on strided views, table read as fp32, fp32 math, one rounding."""
+    assert not is_neox  # interleaved (GPT-J) pairs, as the K3 MLA RoPE
+    rot_dim = cos_sin_cache.shape[1]
+    cos, sin = cos_sin_cache.float()[positions].unsqueeze(1).chunk(2, dim=-1)
+    for x in (query, key):
+        heads = x if x.dim() == 3 else x.unflatten(-1, (-1, head_size))
+        even = heads[..., 0:rot_dim:2].float()
+        odd = heads[..., 1:rot_dim:2].float()
+        heads[..., 0:rot_dim:2] = (even * cos - odd * sin).to(x.dtype)
+        heads[..., 1:rot_dim:2] = (odd * cos + even * sin).to(x.dtype)
+
+
+class RecordingRope:
+    """Records each ``ops.rotary_embedding`` launch (its inputs before the
+    in-place update) and applies the reference."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __call__(self, positions, query, key, head_size, cos_sin_cache, is_neox):
+        self.calls.append(
+            dict(
+                positions=positions,
+                query=query.clone(),
+                key=key.clone(),
+                head_size=head_size,
+                cos_sin_cache=cos_sin_cache,
+                is_neox=is_neox,
+            )
+        )
+        _reference_rotary_embedding(
+            positions, query, key, head_size, cos_sin_cache, is_neox
+        )
+
+
 @pytest.fixture
-def build_draft(dist_env, monkeypatch):
+def rope_launches(monkeypatch) -> RecordingRope:
+    # vLLM's compiled ops are not built for CPU.
+    recorder = RecordingRope()
+    monkeypatch.setattr(custom_ops, "rotary_embedding", recorder)
+    return recorder
+
+
+def _cpu_context_kv_runtime(monkeypatch, ops) -> None:
+    """Run the context-KV precompute on CPU: recorded custom ops, a CPU
+    workspace, and no graph capture."""
+    monkeypatch.setattr(common_dspark_mla, "ops", ops)
+    workspace = WorkspaceManager(torch.device("cpu"))
+    monkeypatch.setattr(
+        common_dspark_mla, "current_workspace_manager", lambda: workspace
+    )
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+@pytest.fixture
+def build_draft(dist_env, rope_launches, monkeypatch):
     """Build the ROCm drafter on CPU with a recording inner attention."""
     monkeypatch.setattr(generic_mla, "MLAAttention", RecordingMLAAttention)
     monkeypatch.setattr(common_dspark_mla, "get_draft_quant_config", lambda _: None)
@@ -211,7 +280,6 @@ def test_k3_dspark_rocm_k_pe_keeps_dtype_with_yarn(build_draft):
     torch.manual_seed(0)
     draft = build_draft(_k3_config(rope_parameters=dict(YARN)))
     attn = draft.model.layers[0].self_attn
-    assert isinstance(attn.rotary_emb, DeepseekScalingRotaryEmbedding)  # real rope
     assert attn.rotary_emb.cos_sin_cache.dtype == torch.float32
     for p in attn.parameters():
         p.data.normal_()
@@ -227,15 +295,29 @@ def test_k3_dspark_rocm_k_pe_keeps_dtype_with_yarn(build_draft):
     assert out.dtype == torch.bfloat16
 
 
+ROPE_CASES = [
+    ({"rope_type": "default", "rope_theta": 50000.0}, "default", 1.0),
+    (dict(YARN, attention_factor=1.0), "deepseek_llama_scaling", 1.0),
+    (YARN, "deepseek_yarn", (0.1 * math.log(32.0) + 1.0) ** 2),
+]
+ROPE_IDS = ["default", "llama_scaling", "yarn"]
+
+
+def _nvidia_rope(config, rope_type):
+    """The rotary embedding the NVIDIA drafter builds for this config."""
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
+        return get_rope(
+            config.qk_rope_head_dim,
+            max_position=config.max_position_embeddings,
+            rope_parameters=dict(config.rope_parameters, rope_type=rope_type),
+            is_neox_style=False,
+            dtype=torch.float32,
+        )
+
+
 @pytest.mark.cpu_test
 @pytest.mark.parametrize(
-    ("rope_parameters", "rope_type", "scale_multiplier"),
-    [
-        ({"rope_type": "default", "rope_theta": 50000.0}, "default", 1.0),
-        (dict(YARN, attention_factor=1.0), "deepseek_llama_scaling", 1.0),
-        (YARN, "deepseek_yarn", (0.1 * math.log(32.0) + 1.0) ** 2),
-    ],
-    ids=["default", "llama_scaling", "yarn"],
+    ("rope_parameters", "rope_type", "scale_multiplier"), ROPE_CASES, ids=ROPE_IDS
 )
 def test_k3_dspark_rocm_rope_and_softmax_scale_match_nvidia(
     rope_parameters, rope_type, scale_multiplier, build_draft
@@ -244,18 +326,10 @@ def test_k3_dspark_rocm_rope_and_softmax_scale_match_nvidia(
     rope_type becomes deepseek_llama_scaling when attention_factor == 1.0,
     else deepseek_yarn; only YaRN scales the softmax by mscale**2."""
     config = _k3_config(rope_parameters=dict(rope_parameters))
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
-        expected_rope = get_rope(
-            8,
-            max_position=config.max_position_embeddings,
-            rope_parameters=dict(config.rope_parameters, rope_type=rope_type),
-            is_neox_style=False,
-            dtype=torch.float32,
-        )
+    expected_rope = _nvidia_rope(config, rope_type)
     draft = build_draft(config)
     for layer in draft.model.layers:
         attn = layer.self_attn
-        assert type(attn.rotary_emb) is type(expected_rope)
         assert attn.rotary_emb.is_neox_style is False
         assert attn.rotary_emb.cos_sin_cache.dtype == torch.float32
         assert torch.equal(attn.rotary_emb.cos_sin_cache, expected_rope.cos_sin_cache)
@@ -263,6 +337,103 @@ def test_k3_dspark_rocm_rope_and_softmax_scale_match_nvidia(
         assert attn.mla_attn.kwargs["scale"] == pytest.approx(
             16**-0.5 * scale_multiplier
         )
+
+
+class _ContextKVOps:
+    """Records the context-KV custom ops, which do not run on CPU."""
+
+    def __init__(self):
+        self.rope_tables: list[torch.Tensor] = []
+        self.grouped: list[tuple] = []
+
+    def rms_norm(self, out, x, weight, eps):
+        out.copy_(x)
+
+    def rotary_embedding(self, positions, query, key, head_size, table, is_neox):
+        self.rope_tables.append(table)
+
+    def concat_and_cache_mla_grouped(self, *args):
+        self.grouped.append(args)
+
+
+@pytest.mark.cpu_test
+@pytest.mark.parametrize(
+    ("rope_parameters", "rope_type", "scale_multiplier"), ROPE_CASES, ids=ROPE_IDS
+)
+def test_k3_dspark_rocm_rope_table_stays_fp32(
+    rope_parameters, rope_type, scale_multiplier, build_draft, monkeypatch
+):
+    """The draft forward and the context-KV precompute read the fp32 cos/sin
+    table NVIDIA uses, before and after any number of forwards. (A rope
+    module re-binds its table to the activation dtype on its first forward.)"""
+    config = _k3_config(rope_parameters=dict(rope_parameters))
+    expected = _nvidia_rope(config, rope_type).cos_sin_cache
+    draft = build_draft(config)
+    ops = _ContextKVOps()
+    _cpu_context_kv_runtime(monkeypatch, ops)
+
+    def precompute():
+        draft.precompute_and_store_context_kv(
+            torch.randn(3, 32, dtype=torch.bfloat16), torch.tensor([0, 1, 2]), None
+        )
+        return ops.rope_tables.pop()
+
+    before = precompute()
+    for step in range(3):
+        hidden_states = torch.randn(2, 32, dtype=torch.bfloat16)
+        draft(
+            input_ids=None,
+            positions=torch.tensor([step, 7]),
+            inputs_embeds=hidden_states,
+        )
+    after = precompute()
+
+    for table in (before, after):
+        assert table.dtype == torch.float32
+        assert torch.equal(table, expected)
+    for layer in draft.model.layers:
+        assert layer.self_attn.rotary_emb.cos_sin_cache is before
+
+
+@pytest.mark.cpu_test
+@pytest.mark.parametrize(
+    "rope_parameters", [ROPE_CASES[0][0], YARN], ids=["default", "yarn"]
+)
+def test_k3_dspark_rocm_rope_is_one_launch_with_fp32_math(
+    rope_parameters, build_draft, rope_launches
+):
+    """One in-place ``rotary_embedding`` launch per layer forward, and the
+    q/k_pe that MLAAttention receives equal the fp32 rotation of the
+    projections rounded once to bf16 (``forward_static`` of the rope class
+    on fp32 inputs)."""
+    config = _k3_config(rope_parameters=dict(rope_parameters))
+    draft = build_draft(config)
+    attn = draft.model.layers[0].self_attn
+    positions = torch.tensor([0, 5000, 100000])
+
+    attn(positions=positions, hidden_states=torch.randn(3, 32, dtype=torch.bfloat16))
+
+    (launch,) = rope_launches.calls
+    assert launch["positions"] is positions
+    assert launch["cos_sin_cache"] is attn.rotary_emb.cos_sin_cache
+    assert (launch["head_size"], launch["is_neox"]) == (8, False)
+    rope_cls = (
+        RotaryEmbedding
+        if rope_parameters["rope_type"] == "default"
+        else DeepseekScalingRotaryEmbedding
+    )
+    want_q, want_k = rope_cls.forward_static(
+        positions,
+        launch["query"].float(),
+        launch["key"].float(),
+        8,
+        8,
+        attn.rotary_emb.cos_sin_cache,
+        False,
+    )
+    (call,) = attn.mla_attn.calls
+    assert torch.equal(call["q"][..., 8:], want_q.view(3, 4, 8).bfloat16())
+    assert torch.equal(call["k_pe"], want_k.view(3, 1, 8).bfloat16())
 
 
 @pytest.mark.cpu_test
@@ -294,7 +465,7 @@ def test_k3_dspark_rocm_kv_cache_layer_names(build_draft):
         f"model.layers.{TARGET_LAYERS + i}.self_attn.attn" for i in range(2)
     ]
     for name, layer in zip(names, draft.model.layers):
-        assert layer.kv_cache_owner() is layer.self_attn.mla_attn
+        assert draft.model.kv_cache_layer(layer.self_attn) is layer.self_attn.mla_attn
         assert layer.self_attn.mla_attn.layer_name == name
         assert layer.self_attn.prefix == name.removesuffix(".attn")
     # Same parameter names as the NVIDIA drafter's MLA module.
@@ -331,13 +502,16 @@ def test_k3_dspark_rocm_never_takes_identity_rope_fused_decode(
     build_draft, monkeypatch
 ):
     """The ROCm wrapper's fused decode applies an identity RoPE (it was written
-    for the NoPE target). With production shapes, an fp8 KV cache and AITER MLA
-    on, the wrapper considers it supported; the drafter, whose RoPE is real,
-    must still send decode through MLAAttention."""
+    for the NoPE target). Its predicate reads the global AITER MLA switch, not
+    the layer's own backend: with AITER MLA on for the target, production
+    shapes and an fp8 KV cache, a draft layer running TRITON_MLA qualifies.
+    Only the layer's rotary embedding rules it out, so decode still goes
+    through MLAAttention with RoPE applied."""
     monkeypatch.setattr(amd_mla.rocm_aiter_ops, "is_mla_enabled", lambda: True)
     config = _k3_config(kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=32)
     draft = build_draft(config, cache_dtype="fp8")
     attn = draft.model.layers[0].self_attn
+    assert attn.mla_attn.attn_backend.get_name() == "TRITON_MLA"
 
     fused_calls = []
 
@@ -360,26 +534,47 @@ def test_k3_dspark_rocm_never_takes_identity_rope_fused_decode(
     assert fused_calls == []
     assert len(attn.mla_attn.calls) == 1
     assert not attn._fused_qk_prep
-    # The shortcut's other conditions hold for this layer (the NoPE target
-    # with these shapes takes it): only the layer's RoPE rules it out.
+    # Every other condition of the shortcut holds for this Triton layer: only
+    # its RoPE rules it out.
     attn.rotary_emb = None
     assert attn._fused_qk_prep_supported()
 
 
-class _CustomOps:
-    """Records the context-KV custom ops, which do not run on CPU."""
+@pytest.mark.cpu_test
+def test_k3_dspark_rocm_kv_cache_spec_groups_with_target_mla(build_draft):
+    """The draft's MLAAttention layers share one KV-cache group with the K3
+    ROCm target's MLA layers (AITER MLA), as the engine needs."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.core.kv_cache_planning import _get_kv_cache_groups_uniform_page_size
 
-    def __init__(self):
-        self.calls: list[tuple] = []
+    config = _k3_config(kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=32)
+    draft = build_draft(config, cache_dtype="fp8")
+    vllm_config = SimpleNamespace(
+        model_config=None, cache_config=SimpleNamespace(block_size=64)
+    )
+    target_attn = SimpleNamespace(
+        topk_buffer_width=None,
+        kv_cache_dtype="fp8",
+        head_size=576,
+        sliding_window=None,
+        indexer=None,
+        non_causal_multi_token_decode=False,
+        attn_backend=SimpleNamespace(get_name=lambda: "ROCM_AITER_MLA"),
+    )
+    target_spec = MLAAttention.get_kv_cache_spec(target_attn, vllm_config)
+    kv_cache_spec = {
+        f"model.layers.{i}.self_attn.attn": target_spec for i in range(TARGET_LAYERS)
+    }
+    for layer in draft.model.layers:
+        mla_attn = draft.model.kv_cache_layer(layer.self_attn)
+        kv_cache_spec[mla_attn.layer_name] = MLAAttention.get_kv_cache_spec(
+            mla_attn, vllm_config
+        )
+    assert set(draft.get_draft_kv_cache_layer_names()) <= set(kv_cache_spec)
 
-    def rms_norm(self, out, x, weight, eps):
-        out.copy_(x)
-
-    def rotary_embedding(self, *args):
-        pass
-
-    def concat_and_cache_mla_grouped(self, *args):
-        self.calls.append(args)
+    groups = _get_kv_cache_groups_uniform_page_size(kv_cache_spec)
+    assert len(groups) == 1
+    assert sorted(groups[0].layer_names) == sorted(kv_cache_spec)
 
 
 @pytest.mark.cpu_test
@@ -398,9 +593,8 @@ def test_k3_dspark_rocm_grouped_context_kv_insert(
     cache_dtype, grouped, scaled, build_draft, monkeypatch
 ):
     draft = build_draft(_k3_config(), cache_dtype=cache_dtype, dtype=torch.float32)
-    ops = _CustomOps()
-    monkeypatch.setattr(common_dspark_mla, "ops", ops)
-    stub_context_kv_gpu_runtime(monkeypatch)
+    ops = _ContextKVOps()
+    _cpu_context_kv_runtime(monkeypatch, ops)
     owners = [layer.self_attn.mla_attn for layer in draft.model.layers]
     for i, owner in enumerate(owners):
         owner._k_scale = torch.tensor([0.5 + i])
@@ -416,13 +610,13 @@ def test_k3_dspark_rocm_grouped_context_kv_insert(
     else:
         assert draft.model._context_kv_scales is None
     if grouped:
-        (call,) = ops.calls
+        (call,) = ops.grouped
         assert call[2].tolist() == [o.kv_cache.data_ptr() for o in owners]
         assert call[-2] is draft.model._context_kv_scales
         assert call[-1] == cache_dtype
         assert all(owner.updates == [] for owner in owners)
     else:
-        assert ops.calls == []
+        assert ops.grouped == []
         for owner in owners:
             (update,) = owner.updates
             assert update[2] is owner.kv_cache
@@ -466,44 +660,6 @@ def test_k3_dspark_rocm_context_metadata_after_attention_post_processing(
         f"attention model.layers.{TARGET_LAYERS + i}.self_attn.attn" for i in range(2)
     ] + ["context metadata"]
     assert draft.model._num_context_layers == 2
-
-
-@pytest.mark.skipif(not current_platform.is_rocm(), reason="ROCm only")
-def test_k3_dspark_rocm_decoder_builds_mla_wrapper(dist_env, monkeypatch):
-    """With the real ROCm attention backend, the draft layer is the K3 ROCm MLA
-    wrapper around a generic MLAAttention that owns the KV cache."""
-    from vllm.model_executor.layers.attention import MLAAttention
-
-    monkeypatch.setattr(common_dspark_mla, "get_draft_quant_config", lambda _: None)
-    config = _k3_config(
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        q_lora_rank=64,
-        rope_parameters=dict(YARN),
-    )
-    vllm_config = VllmConfig()
-    # Backend selection reads the draft's MLA dimensions and dtype.
-    vllm_config.model_config = SimpleNamespace(
-        hf_text_config=config, dtype=torch.bfloat16, rswa_window=None
-    )
-    with set_current_vllm_config(vllm_config), torch.device("cuda"):
-        layer = amd_dspark_mla.K3DSparkDecoderLayer(
-            vllm_config=_vllm_config(config),
-            config=config,
-            layer_idx=1,
-            start_layer_id=TARGET_LAYERS,
-            prefix="model",
-        )
-    attn = layer.self_attn
-    assert isinstance(attn, KimiK3MultiHeadLatentAttentionWrapper)
-    assert type(attn.mla_attn) is MLAAttention
-    assert attn.mla_attn.non_causal_multi_token_decode is True
-    assert attn.mla_attn.num_heads == config.num_attention_heads
-    name = f"model.layers.{TARGET_LAYERS + 1}.self_attn.attn"
-    assert attn.mla_attn.layer_name == name
-    assert layer.kv_cache_owner() is attn.mla_attn
-    assert isinstance(attn.rotary_emb, DeepseekScalingRotaryEmbedding)
-    assert not attn._fused_qk_prep
 
 
 # Runs in a fresh interpreter before anything imports vllm.platforms: the real
@@ -592,17 +748,6 @@ def test_k3_dspark_rocm_builds_under_emulated_rocm_without_aiter():
         assert sys.modules["aiter"] is None
         """
     )
-
-
-def test_k3_dspark_registry_follows_platform():
-    """K3DSparkModel resolves through vllm.models.kimi_k3: the ROCm drafter on
-    ROCm, the NVIDIA one on the other GPU platforms and on CPU."""
-    from vllm.model_executor.models.registry import ModelRegistry
-    from vllm.models.kimi_k3.nvidia import dspark_mla as nvidia_dspark_mla
-
-    expected = amd_dspark_mla if current_platform.is_rocm() else nvidia_dspark_mla
-    resolved = ModelRegistry._try_load_model_cls("K3DSparkModel")
-    assert resolved is expected.K3DSparkForCausalLM
 
 
 @pytest.mark.cpu_test

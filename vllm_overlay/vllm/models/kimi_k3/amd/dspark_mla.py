@@ -9,11 +9,11 @@ module supplies only what differs on ROCm:
   ``amd/linear.py``'s ``KimiMLAAttention``, which is NoPE-only) with the
   checkpoint's RoPE and a non-causal draft block. Its inner generic
   ``MLAAttention`` runs the absorb BMMs (AITER FP8/FP4 BMM when enabled,
-  otherwise ``torch.bmm``) and the KV-cache write (``concat_and_cache_mla``).
-  The wrapper's identity-RoPE fused decode is written for the NoPE target and
-  is never taken for a layer with RoPE;
-* that inner ``MLAAttention`` (``self_attn.mla_attn``, named
-  ``<prefix>.attn``) owns the KV cache;
+  otherwise ``torch.bmm``) and the KV-cache write (``concat_and_cache_mla``);
+* the RoPE is one in-place ``ops.rotary_embedding`` launch per call on the
+  fp32 cos/sin table, the table NVIDIA's fused kernels read;
+* that inner ``MLAAttention`` (``self_attn.mla_attn``, named ``<prefix>.attn``)
+  owns the KV cache;
 * the ROCm ``KimiMLP``;
 * the grouped context-KV insert excludes ``fp8_e5m2``, which the grouped
   kernel rejects on ROCm; such caches are filled layer by layer.
@@ -21,8 +21,10 @@ module supplies only what differs on ROCm:
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
+import vllm._custom_ops as ops
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -33,6 +35,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.mla import MLAModules
 from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 from vllm.models.kimi_k3.amd.linear import KimiMLP
 from vllm.models.kimi_k3.amd.mla import KimiK3MultiHeadLatentAttentionWrapper
 from vllm.models.kimi_k3.common.dspark_mla import (
@@ -43,10 +46,42 @@ from vllm.models.kimi_k3.common.dspark_mla import (
 from vllm.models.kimi_k3.common.mla_rope import get_k3_mla_rope
 
 
-class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
-    mlp_cls = KimiMLP
+class K3DSparkRotaryEmbedding(nn.Module):
+    """The draft layer's RoPE as one in-place launch of vLLM's rotary op.
 
-    def build_attention(
+    ``ops.rotary_embedding`` (built for ROCm too) reads an fp32 cos/sin table
+    with bf16 q/k, rotates in fp32 and rounds once. Calling the rope module
+    instead would either re-bind its fp32 table to bf16 on the first forward
+    (``RotaryEmbedding._match_cos_sin_cache_dtype``), which the context-KV
+    precompute reads as well, or run about 16 unfused kernels
+    (``DeepseekScalingRotaryEmbedding.forward_hip`` is ``forward_native``).
+    """
+
+    def __init__(self, rope: RotaryEmbeddingBase) -> None:
+        super().__init__()
+        # get_k3_mla_rope builds every rope type with an fp32 table.
+        assert rope.cos_sin_cache.dtype == torch.float32
+        self.head_size = rope.head_size
+        self.is_neox_style = rope.is_neox_style
+        self.cos_sin_cache: torch.Tensor
+        self.register_buffer("cos_sin_cache", rope.cos_sin_cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ops.rotary_embedding(
+            positions,
+            query,
+            key,
+            self.head_size,
+            self.cos_sin_cache,
+            self.is_neox_style,
+        )
+        return query, key
+
+
+class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
+    def build_self_attn(
         self,
         *,
         vllm_config: VllmConfig,
@@ -60,7 +95,7 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
         tp_size = get_tensor_model_parallel_world_size()
         assert num_heads % tp_size == 0
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-        rotary_emb, scale_multiplier = get_k3_mla_rope(config, config.qk_rope_head_dim)
+        rope, scale_multiplier = get_k3_mla_rope(config, config.qk_rope_head_dim)
 
         # The projections take the global head count and shard it over TP.
         fused_qkv_a_proj = MergedColumnParallelLinear(
@@ -95,7 +130,7 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
         mla_modules = MLAModules(
             kv_a_layernorm=RMSNorm(config.kv_lora_rank, eps=config.rms_norm_eps),
             kv_b_proj=kv_b_proj,
-            rotary_emb=rotary_emb,
+            rotary_emb=K3DSparkRotaryEmbedding(rope),
             o_proj=o_proj,
             fused_qkv_a_proj=fused_qkv_a_proj,
             kv_a_proj_with_mqa=None,
@@ -106,7 +141,9 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
             is_sparse=False,
             topk_indices_buffer=None,
         )
-        # The wrapper and its MLAAttention work on this rank's heads.
+        # The wrapper and its MLAAttention work on this rank's heads. With a
+        # rotary embedding the wrapper never takes its identity-RoPE fused
+        # decode (see _fused_qk_prep_supported).
         return KimiK3MultiHeadLatentAttentionWrapper(
             hidden_size=config.hidden_size,
             num_heads=num_heads // tp_size,
@@ -123,15 +160,31 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
             non_causal_multi_token_decode=True,
         )
 
-    def kv_cache_owner(self) -> Any:
-        # The wrapper's inner MLAAttention ("<prefix>.attn") owns the cache.
-        return self.self_attn.mla_attn
+    def build_mlp(
+        self,
+        *,
+        config,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> nn.Module:
+        return KimiMLP(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            quant_config=quant_config,
+            reduce_results=False,
+            prefix=prefix,
+        )
 
 
 class K3DSparkModel(K3DSparkModelBase):
     decoder_layer_cls = K3DSparkDecoderLayer
     # 0.33.0's concat_and_cache_mla_grouped rejects fp8_e5m2 on ROCm.
     grouped_kv_cache_dtypes = K3DSparkModelBase.grouped_kv_cache_dtypes - {"fp8_e5m2"}
+
+    def kv_cache_layer(self, attn: nn.Module) -> Any:
+        # The wrapper's inner MLAAttention ("<prefix>.attn") owns the cache.
+        return attn.mla_attn
 
 
 class K3DSparkForCausalLM(K3DSparkForCausalLMBase):

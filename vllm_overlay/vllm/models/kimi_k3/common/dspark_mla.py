@@ -3,23 +3,20 @@
 """Platform-neutral K3 dense MLA draft model for DSpark speculative decoding.
 
 Everything here is shared by the platform drafters (``nvidia/dspark_mla.py``
-and any other platform's). A platform supplies only what differs, as hooks on
-:class:`K3DSparkDecoderLayerBase`:
+and any other platform's). A platform supplies only what differs:
 
-* :meth:`~K3DSparkDecoderLayerBase.build_attention` builds the layer's MLA
+* :meth:`K3DSparkDecoderLayerBase.build_self_attn` builds the layer's MLA
   module (``self_attn``). The base reads the latent geometry from it:
   ``q_lora_rank``, ``kv_lora_rank``, ``qk_rope_head_dim``, ``kv_a_layernorm``,
   ``rotary_emb`` and ``o_proj``.
-* :attr:`~K3DSparkDecoderLayerBase.mlp_cls` is the dense MLP class.
-* :meth:`~K3DSparkDecoderLayerBase.kv_cache_owner` returns the module that
-  owns the layer's KV cache: ``kv_cache``, ``kv_cache_dtype``, ``_k_scale``,
-  ``impl`` and ``layer_name``. It is ``self_attn`` unless the platform's MLA
-  module wraps an inner attention layer.
-
-and, on :class:`K3DSparkModelBase`,
-:attr:`~K3DSparkModelBase.grouped_kv_cache_dtypes`: the KV-cache dtypes the
-platform's grouped context-KV insert kernel accepts; other dtypes fall back to
-per-layer cache updates.
+* :meth:`K3DSparkDecoderLayerBase.build_mlp` builds the dense MLP.
+* :meth:`K3DSparkModelBase.kv_cache_layer` maps a layer's ``self_attn`` to the
+  attention layer that owns its KV cache (``kv_cache``, ``kv_cache_dtype``,
+  ``_k_scale``, ``impl`` and ``layer_name``): ``self_attn`` itself unless the
+  platform's MLA module wraps an inner attention layer.
+* :attr:`K3DSparkModelBase.grouped_kv_cache_dtypes`: the KV-cache dtypes the
+  platform's grouped context-KV insert kernel accepts; other dtypes fall back
+  to per-layer cache updates.
 
 This module must not import platform code (``vllm.models.kimi_k3.nvidia``,
 ``vllm.models.kimi_k3.amd`` or the ``vllm.models.kimi_k3`` package itself).
@@ -82,11 +79,7 @@ def _duplicate_context_kv_weights(
 
 
 class K3DSparkDecoderLayerBase(nn.Module):
-    """Draft decoder layer; subclasses supply the platform hooks."""
-
-    # Dense MLP class, called with hidden_size, intermediate_size, hidden_act,
-    # quant_config, reduce_results and prefix keyword arguments.
-    mlp_cls: ClassVar[type[nn.Module]]
+    """Draft decoder layer; subclasses build the attention and the MLP."""
 
     def __init__(
         self,
@@ -99,7 +92,7 @@ class K3DSparkDecoderLayerBase(nn.Module):
     ) -> None:
         super().__init__()
         quant_config = get_draft_quant_config(vllm_config)
-        self.self_attn = self.build_attention(
+        self.self_attn = self.build_self_attn(
             vllm_config=vllm_config,
             config=config,
             quant_config=quant_config,
@@ -110,12 +103,9 @@ class K3DSparkDecoderLayerBase(nn.Module):
         # Both row-parallel outputs stay un-reduced; their all-reduces are fused
         # into the RMSNorm that follows via fused_allreduce_rms_norm.
         self.self_attn.o_proj.reduce_results = False
-        self.mlp = self.mlp_cls(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            hidden_act=config.hidden_act,
+        self.mlp = self.build_mlp(
+            config=config,
             quant_config=quant_config,
-            reduce_results=False,
             prefix=maybe_prefix(prefix, f"layers.{start_layer_id + layer_idx}.mlp"),
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -123,7 +113,7 @@ class K3DSparkDecoderLayerBase(nn.Module):
             config.hidden_size, eps=config.rms_norm_eps
         )
 
-    def build_attention(
+    def build_self_attn(
         self,
         *,
         vllm_config: VllmConfig,
@@ -134,9 +124,16 @@ class K3DSparkDecoderLayerBase(nn.Module):
         """Build this layer's MLA module (RoPE, non-causal draft decode)."""
         raise NotImplementedError
 
-    def kv_cache_owner(self) -> Any:
-        """Return the module that owns this layer's KV cache."""
-        return self.self_attn
+    def build_mlp(
+        self,
+        *,
+        config,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> nn.Module:
+        """Build the dense MLP with ``reduce_results=False``: its all-reduce is
+        fused into the next RMSNorm."""
+        raise NotImplementedError
 
     def forward(
         self,
@@ -254,8 +251,13 @@ class K3DSparkModelBase(nn.Module):
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.context_norm(self.context_proj(hidden_states))
 
-    def _kv_cache_owners(self) -> list[Any]:
-        return [layer.kv_cache_owner() for layer in self.layers]
+    def kv_cache_layer(self, attn: nn.Module) -> Any:
+        """Return the attention layer that owns the KV cache of ``attn`` (a
+        layer's ``self_attn``)."""
+        return attn
+
+    def _kv_cache_layers(self) -> list[Any]:
+        return [self.kv_cache_layer(layer.self_attn) for layer in self.layers]
 
     @torch.inference_mode()
     def precompute_and_store_context_kv(
@@ -295,14 +297,14 @@ class K3DSparkModelBase(nn.Module):
         self._context_kv_lora_rank = attn0.kv_lora_rank
         self._context_rope_dim = attn0.qk_rope_head_dim
         self._context_rms_norm_eps = attn0.kv_a_layernorm.variance_epsilon
-        owners = self._kv_cache_owners()
-        cache_dtype = owners[0].kv_cache_dtype
+        cache_layers = self._kv_cache_layers()
+        cache_dtype = cache_layers[0].kv_cache_dtype
         self._context_kv_scales: torch.Tensor | None = None
         if cache_dtype in self.grouped_kv_cache_dtypes and is_quantized_kv_cache(
             cache_dtype
         ):
             self._context_kv_scales = torch.stack(
-                [owner._k_scale.reshape(()) for owner in owners]
+                [cl._k_scale.reshape(()) for cl in cache_layers]
             )
 
     def _precompute_fused_context_kv(
@@ -356,12 +358,12 @@ class K3DSparkModelBase(nn.Module):
         if context_slot_mapping is None:
             return
 
-        owners = self._kv_cache_owners()
-        cache_dtype = owners[0].kv_cache_dtype
+        cache_layers = self._kv_cache_layers()
+        cache_dtype = cache_layers[0].kv_cache_dtype
         if (
             cache_dtype in self.grouped_kv_cache_dtypes
-            and all(owner.kv_cache_dtype == cache_dtype for owner in owners)
-            and self._refresh_context_kv_cache_ptrs(owners)
+            and all(cl.kv_cache_dtype == cache_dtype for cl in cache_layers)
+            and self._has_uniform_block_layout(cache_layers)
             and (
                 isinstance(context_slot_mapping, torch.Tensor)
                 or all(s is not None for s in context_slot_mapping)
@@ -385,7 +387,7 @@ class K3DSparkModelBase(nn.Module):
                 # Broadcast the single shared context_slot_mapping tensor.
                 slot_mapping = context_slot_mapping.unsqueeze(0).expand(num_layers, -1)
 
-            ref_cache = owners[0].kv_cache
+            ref_cache = cache_layers[0].kv_cache
             ops.concat_and_cache_mla_grouped(
                 all_kv_c_normed,
                 all_k_pe.squeeze(2),
@@ -399,7 +401,7 @@ class K3DSparkModelBase(nn.Module):
             )
             return
 
-        for layer_idx, owner in enumerate(owners):
+        for layer_idx, attn in enumerate(cache_layers):
             slot_mapping = (
                 context_slot_mapping[layer_idx]
                 if isinstance(context_slot_mapping, (list, tuple))
@@ -407,40 +409,54 @@ class K3DSparkModelBase(nn.Module):
             )
             if slot_mapping is None:
                 continue
-            owner.impl.do_kv_cache_update(
+            attn.impl.do_kv_cache_update(
                 all_kv_c_normed[layer_idx],
                 all_k_pe[layer_idx],
-                owner.kv_cache,
+                attn.kv_cache,
                 slot_mapping,
-                owner.kv_cache_dtype,
-                owner._k_scale,
+                attn.kv_cache_dtype,
+                attn._k_scale,
             )
 
-    def _refresh_context_kv_cache_ptrs(self, owners: list[Any]) -> bool:
-        """Track the layers' KV cache base addresses for the grouped insert.
-
-        The grouped insert writes through a device array of per-layer cache
-        base addresses. The context precompute also runs against the temporary
-        caches used for memory profiling, and the real caches are bound later,
-        so whenever the addresses change the array is rebuilt and the shared
-        block layout is re-checked. Returns whether all layers share one block
-        layout (size(1), stride(0), stride(1) of the first layer's cache).
-        """
-        key = tuple(owner.kv_cache.data_ptr() for owner in owners)
+    def _has_uniform_block_layout(
+        self,
+        cache_layers: list[Any],
+    ) -> bool:
+        key = tuple(cl.kv_cache.data_ptr() for cl in cache_layers)
         if getattr(self, "_kv_cache_ptrs_key", None) != key:
             assert not torch.cuda.is_current_stream_capturing()
             self._kv_cache_ptrs_key = key
-            ref_cache = owners[0].kv_cache
-            self._context_cache_ptrs = torch.tensor(
-                key, dtype=torch.int64, device=ref_cache.device
-            )
+            ref_cache = cache_layers[0].kv_cache
+            self._refresh_context_kv_cache_ptrs(key, ref_cache.device)
             self._layers_share_kv_block_layout = all(
-                owner.kv_cache.size(1) == ref_cache.size(1)
-                and owner.kv_cache.stride(0) == ref_cache.stride(0)
-                and owner.kv_cache.stride(1) == ref_cache.stride(1)
-                for owner in owners
+                cl.kv_cache.size(1) == ref_cache.size(1)
+                and cl.kv_cache.stride(0) == ref_cache.stride(0)
+                and cl.kv_cache.stride(1) == ref_cache.stride(1)
+                for cl in cache_layers
             )
         return self._layers_share_kv_block_layout
+
+    def _refresh_context_kv_cache_ptrs(
+        self, ptrs: tuple[int, ...], device: torch.device
+    ) -> None:
+        """Write the caches' base addresses into the grouped insert's array.
+
+        The context precompute first runs (and may be captured in a CUDA/HIP
+        graph) against the memory-profiling caches; the real caches are bound
+        later. A captured graph keeps the array's address, so the array is
+        refreshed in place and only allocated when it has to be. This runs
+        whenever the addresses change, never during graph capture.
+        """
+        host_ptrs = torch.tensor(ptrs, dtype=torch.int64)
+        cache_ptrs = getattr(self, "_context_cache_ptrs", None)
+        if (
+            cache_ptrs is None
+            or cache_ptrs.shape != host_ptrs.shape
+            or cache_ptrs.device != device
+        ):
+            self._context_cache_ptrs = host_ptrs.to(device)
+        else:
+            cache_ptrs.copy_(host_ptrs)
 
     def forward(
         self,
@@ -521,7 +537,7 @@ class K3DSparkForCausalLMBase(nn.Module):
         return self.model.combine_hidden_states(hidden_states)
 
     def get_draft_kv_cache_layer_names(self) -> list[str]:
-        return [owner.layer_name for owner in self.model._kv_cache_owners()]
+        return [cl.layer_name for cl in self.model._kv_cache_layers()]
 
     def precompute_and_store_context_kv(
         self,

@@ -21,9 +21,7 @@ from vllm.models.kimi_k3.nvidia.model import KimiMLP
 
 
 class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
-    mlp_cls = KimiMLP
-
-    def build_attention(
+    def build_self_attn(
         self,
         *,
         vllm_config: VllmConfig,
@@ -31,7 +29,7 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
         quant_config: QuantizationConfig | None,
         prefix: str,
     ) -> nn.Module:
-        # The layer is its own KV-cache owner (the default kv_cache_owner).
+        # The MLA module owns its KV cache (the default kv_cache_layer).
         return MultiHeadLatentAttention(
             config=config,
             hidden_size=config.hidden_size,
@@ -46,6 +44,22 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
             prefix=prefix,
             use_rope=True,
             non_causal_multi_token_decode=True,
+        )
+
+    def build_mlp(
+        self,
+        *,
+        config,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ) -> nn.Module:
+        return KimiMLP(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            quant_config=quant_config,
+            reduce_results=False,
+            prefix=prefix,
         )
 
 
