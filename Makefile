@@ -4,7 +4,7 @@
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
-.PHONY: help apply patches rebase drift overlay install-overlay build test check bench lock clean fetch
+.PHONY: help apply patches rebase drift overlay install-overlay build test check bench gpubench lock clean fetch
 
 help:
 	@echo "make apply      fetch pinned vLLM, apply patches/series -> build/vllm, vllm_overlay/"
@@ -15,6 +15,7 @@ help:
 	@echo "make drift [VLLM_VERSION=x.y.z]  try the stack on the newest release (changes nothing)"
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make bench      time apply/check/patches against their goals (prints figures)"
+	@echo "make gpubench   time the stack's GPU kernels against the release (needs a GPU to run)"
 	@echo "make build | lock | fetch | clean"
 
 apply:
@@ -48,6 +49,9 @@ check:
 
 bench:
 	$(STACK) bench
+
+gpubench:
+	$(STACK) gpubench
 
 lock:
 	$(STACK) lock

@@ -29,6 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("build", help="create .venv (patched vLLM) and .venv-lint (linters)")
     sub.add_parser("test", help="run every test suite against the patched vLLM")
     sub.add_parser("bench", help="time the everyday commands against their goals")
+    gpubench = sub.add_parser(
+        "gpubench", help="time the stack's GPU kernels against the release, side by side")
+    gpubench.add_argument("--case", action="append", help="benchmark case (default: all)")
+    gpubench.add_argument("--package", type=Path, default=None,
+                          help="folder to build the package in (default: build/gpubench)")
+    gpubench.add_argument("--source", type=Path, default=None,
+                          help="vLLM git repository to read (default: build/vllm)")
+    gpubench.add_argument("--rev", action="append", default=[], metavar="LABEL=REV",
+                          help="one more tree to time, e.g. before=HEAD~1")
+    gpubench.add_argument("--build-only", action="store_true",
+                          help="build the package; do not run it")
     sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
     args = parser.parse_args(argv)
     layout = Layout.default()
@@ -97,6 +108,11 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
         from scripts.bench import bench
 
         bench(layout)
+    elif args.command == "gpubench":
+        from scripts.gpubench import gpubench
+
+        return gpubench(layout, args.case, args.package, args.source, args.rev,
+                        args.build_only)
     elif args.command == "clean":
         from scripts.clean import clean
 

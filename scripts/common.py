@@ -69,6 +69,16 @@ class Layout:
         return self.build_dir / "vllm"
 
     @property
+    def gpu_benchmarks(self) -> Path:
+        """The GPU benchmark runner and its cases (benchmarks/gpu/cases/)."""
+        return self.root / "benchmarks" / "gpu"
+
+    @property
+    def gpubench_package(self) -> Path:
+        """The runner plus each tree's kernel files, built by `make gpubench`."""
+        return self.build_dir / "gpubench"
+
+    @property
     def venv(self) -> Path:
         """The patched vLLM and its dependencies (requirements/venv.lock)."""
         return self.root / ".venv"

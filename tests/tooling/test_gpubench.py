@@ -1,0 +1,331 @@
+"""`make gpubench` builds a package of each tree's kernel files with stand-ins for
+vLLM's heavy modules; its runner summarizes and tabulates the timings.
+
+No GPU here: the tests build packages from a fake release and a patch, import
+and run their trees' kernels in Triton's interpreter, and check the table and
+ratio logic on made-up timings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.tooling.conftest import PYTHON, REPO, V1, release_files, snapshot
+
+RUNNER = REPO / "benchmarks" / "gpu"
+
+# vllm/kernels/add.py imports a helper module, the two stand-in modules, and
+# (only for type checking, or lazily) vllm.config, which must stay out.
+ADD = '''\
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm.kernels.helpers import BLOCK
+from vllm.platforms import current_platform
+from vllm.triton_utils import tl, triton
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@triton.jit
+def _add_kernel(x_ptr, out_ptr, n, SHIFT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + SHIFT, mask=mask)
+
+
+def add(x):
+    out = torch.empty_like(x)
+    shift = 1 if current_platform.is_rocm() else BLOCK
+    _add_kernel[(triton.cdiv(x.numel(), 8),)](x, out, x.numel(), shift, BLOCK_SIZE=8)
+    return out
+
+
+def config():
+    from vllm.config import VllmConfig
+
+    return VllmConfig()
+'''
+HEAVY = "import vllm.envs\n"
+KERNEL_FILES = {
+    "vllm/kernels/__init__.py": HEAVY,  # a package __init__ that must not be copied
+    "vllm/kernels/add.py": ADD,
+    "vllm/kernels/helpers.py": "BLOCK = 16\n",
+    "vllm/config.py": HEAVY,
+    "vllm/envs.py": "import os\n",
+    "vllm/triton_utils/__init__.py": HEAVY + "import triton\n",
+    "vllm/platforms/__init__.py": HEAVY + "current_platform = None\n",
+}
+CASE = '''\
+"""A case of the tests: vllm/kernels/add.py."""
+FILES = ("vllm/kernels/add.py",)
+SHAPES = ({"name": "8 elements", "n": 8},)
+
+
+def make_inputs(shape, device, generator):
+    import torch
+
+    return torch.arange(shape["n"], device=device)
+
+
+def bind(load):
+    return load("vllm.kernels.add").add
+'''
+
+
+@pytest.fixture
+def bench_project(project):
+    """A project whose release has a kernel file; one patch changes its helper."""
+    project.use_release(V1, files={**release_files(V1),
+                                   **{k: v.encode() for k, v in KERNEL_FILES.items()}})
+    project.ok("apply")
+    project.commit("[Kernel] Shift by 32", {"vllm/kernels/helpers.py": "BLOCK = 32\n"})
+    runner = project.root / "benchmarks" / "gpu"
+    (runner / "cases").mkdir(parents=True)
+    for name in ("run.py", "stats.py", "timing.py"):
+        shutil.copy2(RUNNER / name, runner / name)
+    (runner / "cases" / "add.py").write_text(CASE)
+    return project
+
+
+def build(project, *args):
+    return project.run("gpubench", "--build-only", *args)
+
+
+def package_of(project) -> Path:
+    return project.root / "build" / "gpubench"
+
+
+def test_package_holds_each_tree_with_the_stand_ins(bench_project):
+    result = build(bench_project)
+    assert result.returncode == 0, result.stderr
+    package = package_of(bench_project)
+    assert "built build/gpubench" in result.stdout
+    manifest = json.loads((package / "trees.json").read_text())
+    assert manifest["cases"] == ["add"]
+    assert [(t["label"], t["rev"]) for t in manifest["trees"]] == [
+        ("pristine", f"vllm-{V1}"), ("patched", "HEAD")]
+    assert manifest["trees"][1]["commit"] == bench_project.head()
+    for tree, block in (("pristine", "16"), ("patched", "32")):
+        vllm = package / "trees" / tree / "vllm"
+        files = sorted(p.relative_to(vllm).as_posix() for p in vllm.rglob("*.py"))
+        # The entry file and its helper; empty package markers; the stand-ins.
+        # Neither vllm.config (type checking, lazy) nor vllm.envs (the real
+        # triton_utils and platforms) nor the real package __init__.
+        assert files == ["__init__.py", "kernels/__init__.py", "kernels/add.py",
+                         "kernels/helpers.py", "platforms/__init__.py",
+                         "triton_utils/__init__.py"]
+        assert (vllm / "kernels" / "add.py").read_text() == ADD
+        assert (vllm / "kernels" / "helpers.py").read_text() == f"BLOCK = {block}\n"
+        assert (vllm / "kernels" / "__init__.py").read_text() == ""
+        standin = (vllm / "triton_utils" / "__init__.py").read_text()
+        assert "HAS_TRITON = True" in standin and "libdevice as tldevice" in standin
+        assert "envs" not in standin
+        assert "def is_rocm" in (vllm / "platforms" / "__init__.py").read_text()
+    for name in ("run.py", "stats.py", "timing.py", "cases/add.py"):
+        assert (package / name).read_bytes() == (
+            bench_project.root / "benchmarks" / "gpu" / name).read_bytes()
+
+
+def test_more_trees_by_revision_and_another_source(bench_project, tmp_path):
+    source = tmp_path / "other-vllm"
+    subprocess.run(["git", "clone", "-q", str(bench_project.tree), str(source)], check=True)
+    bench_project.git("commit", "-q", "--allow-empty", "-m", "later", cwd=source)
+    package = tmp_path / "pkg"
+    result = build(bench_project, "--source", source, "--package", package,
+                   "--rev", "before=HEAD~1", "--case", "add")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((package / "trees.json").read_text())
+    assert [t["label"] for t in manifest["trees"]] == ["pristine", "patched", "before"]
+    assert manifest["trees"][2]["commit"] == bench_project.head()
+    helpers = package / "trees" / "before" / "vllm" / "kernels" / "helpers.py"
+    assert helpers.read_text() == "BLOCK = 32\n"
+    assert not package_of(bench_project).exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vllm/kernels/add.py": ADD.replace("import tl, triton", "import gluon, tl, triton")},
+     "vllm/kernels/add.py imports gluon from vllm.triton_utils; the benchmark's stand-in "
+     "provides only HAS_TRITON, tl, tldevice, triton"),
+    ({"vllm/kernels/add.py": ADD.replace("is_rocm()", "fp8_dtype()")},
+     "vllm/kernels/add.py uses current_platform.fp8_dtype; the stand-in for vllm.platforms"),
+    ({"vllm/kernels/helpers.py": "from vllm.triton_utils.importing import HAS_TRITON\n"},
+     "vllm/kernels/helpers.py imports vllm.triton_utils.importing, which the benchmark's "
+     "stand-ins do not provide"),
+    ({"vllm/kernels/helpers.py": "from vllm.gone import BLOCK\n"},
+     "vllm/kernels/helpers.py imports vllm.gone, which is not in the tree"),
+], ids=["name", "attribute", "submodule", "missing"])
+def test_what_the_package_cannot_hold_is_one_line_and_keeps_the_old_package(
+        bench_project, change, message):
+    assert build(bench_project).returncode == 0
+    before = snapshot(package_of(bench_project))
+    bench_project.commit("[Kernel] Change", change)
+    result = build(bench_project)
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+    assert snapshot(package_of(bench_project)) == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--case", "nope"], "no benchmark case 'nope': expected benchmarks/gpu/cases/nope.py "
+                         "(cases: add)"),
+    (["--rev", "before"], "--rev 'before': expected LABEL=REV, e.g. before=HEAD~1"),
+    (["--rev", "patched=HEAD~1"], "tree labels must differ"),
+    (["--rev", "old=v9"], "no commit 'v9' for tree 'old'"),
+], ids=["case", "rev-syntax", "rev-label", "rev-missing"])
+def test_bad_arguments_name_the_next_step(bench_project, args, message):
+    result = build(bench_project, *args)
+    assert result.returncode == 1
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not package_of(bench_project).exists()
+
+
+def test_a_case_file_in_no_tree_is_named(bench_project):
+    case = bench_project.root / "benchmarks" / "gpu" / "cases" / "add.py"
+    case.write_text(CASE.replace("vllm/kernels/add.py", "vllm/kernels/gone.py"))
+    result = build(bench_project)
+    assert result.returncode == 1
+    assert ("benchmark case 'add': vllm/kernels/gone.py is in none of the trees "
+            f"(pristine = vllm-{V1}, patched = HEAD)") in result.stderr
+    case.write_text("FILES = ['vllm/kernels/add.py']\n")
+    result = build(bench_project)
+    assert "benchmarks/gpu/cases/add.py must set FILES to a tuple" in result.stderr
+
+
+def test_a_folder_that_is_no_package_is_never_replaced(bench_project, tmp_path):
+    mine = tmp_path / "elsewhere" / "mine"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me\n")
+    result = build(bench_project, "--package", mine)
+    assert result.returncode == 1
+    assert "is not a benchmark package (no trees.json)" in result.stderr
+    assert (mine / "notes.txt").read_text() == "keep me\n"
+    assert sorted(p.name for p in mine.parent.iterdir()) == ["mine"]  # no staging left
+
+
+def test_without_a_gpu_it_builds_and_says_where_to_run(bench_project):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the runner would start")
+    result = bench_project.run("gpubench", timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "no GPU visible to this Python" in result.stdout
+    assert "run `python3 build/gpubench/run.py` there" in result.stdout
+
+
+def test_each_tree_runs_its_own_kernel_through_the_stand_ins(bench_project):
+    """The runner's Tree imports every tree as `vllm` in turn; the stand-ins let
+    real Triton (its interpreter here) compile and run the kernels."""
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    assert build(bench_project).returncode == 0
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        import run
+        case = run.load_case("add")
+        trees = [run.Tree(label, run.HERE / "trees" / label)
+                 for label in ("pristine", "patched")]
+        calls, notes = run.bind_trees(case, trees)
+        x = case.make_inputs(case.SHAPES[0], torch.device("cpu"), None)
+        print([calls[label](x).tolist()[:2] for label in ("pristine", "patched")])
+        print(sorted(n for n in sys.modules if n.startswith("vllm")))
+        print(run.default_same_output(calls["pristine"](x), calls["patched"](x)))
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": str(package_of(bench_project))}
+    result = subprocess.run([PYTHON, "-c", script], cwd=package_of(bench_project),
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines == ["[[16, 17], [32, 33]]", "[]", "False"]
+
+
+# --- the runner's summaries and table (benchmarks/gpu/stats.py) ---------------------------
+
+
+def _runner_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"gpubench_{name}", RUNNER / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+stats = _runner_module("stats")
+
+
+def test_summary_is_median_and_deciles():
+    summary = stats.Summary.of([float(x) for x in range(1, 12)])  # 1..11
+    assert (summary.median, summary.p10, summary.p90, summary.count) == (6, 2, 10, 11)
+    assert stats.Summary.of([3.0]) == stats.Summary(3.0, 3.0, 3.0, 1)
+    with pytest.raises(ValueError):
+        stats.Summary.of([])
+
+
+def test_ratios_pair_each_replay_with_the_baseline():
+    # The baseline drifts (10 -> 20); the patched tree is 10% slower in every replay.
+    baseline = [10.0, 20.0, 10.0, 20.0, 10.0]
+    patched = [11.0, 22.0, 11.0, 22.0, 11.0]
+    rows = stats.rows_for_shape("block, 1 req",
+                                {"patched": patched, "pristine": baseline, "new": None},
+                                {"patched": False},
+                                {"new": "not in this tree: vllm.kernels.add"})
+    assert [r.tree for r in rows] == ["pristine", "patched", "new"]
+    pristine, patched_row, new = rows
+    assert pristine.ratio is None and pristine.same_output is None
+    assert patched_row.ratio.median == pytest.approx(1.1)
+    assert patched_row.ratio.p10 == pytest.approx(1.1)
+    assert patched_row.ratio.p90 == pytest.approx(1.1)
+    assert patched_row.micros.median == 11.0 and patched_row.same_output is False
+    assert new.micros is None and new.ratio is None
+    with pytest.raises(ValueError, match="3 replays against 2"):
+        stats.paired_ratios([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def test_table_shows_times_ratios_and_what_differs():
+    rows = stats.rows_for_shape("standard, 16 req",
+                                {"pristine": [40.0, 40.0], "patched": [40.4, 40.4],
+                                 "new": None},
+                                {"patched": True}, {"new": "not in this tree: vllm.x"})
+    rows += stats.rows_for_shape("standard, 64 req",
+                                 {"pristine": [100.0], "patched": [90.0]}, {"patched": False})
+    table = stats.format_table("case rejection_sample", rows).splitlines()
+    assert table[0] == "case rejection_sample"
+    assert table[1].split() == ["shape", "tree", "median", "p10", "p90", "/pristine",
+                                "ratio", "p10-p90", "same", "output"]
+    body = [line.split() for line in table[3:]]
+    assert body == [
+        ["standard,", "16", "req", "pristine", "40.00", "40.00", "40.00", "1"],
+        ["patched", "40.40", "40.40", "40.40", "1.010", "1.010-1.010", "yes"],
+        ["new", "n/a", "(not", "in", "this", "tree:", "vllm.x)"],
+        ["standard,", "64", "req", "pristine", "100.00", "100.00", "100.00", "1"],
+        ["patched", "90.00", "90.00", "90.00", "0.900", "0.900-0.900", "NO"],
+    ]
+
+
+def test_enough_input_sets_to_leave_the_l2_cold():
+    pytest.importorskip("torch")
+    timing = _runner_module("timing")
+    l2 = 60 * 2**20
+    assert timing.input_set_count(7 * 2**20, l2) == 26  # 3 caches' worth
+    assert timing.input_set_count(400 * 2**20, l2) == 2  # never one set twice in a row
+    assert timing.input_set_count(1024, l2) == 64  # capped
+    import torch
+
+    assert timing.nbytes({"a": torch.zeros(4), "b": [torch.zeros(2, dtype=torch.int64)],
+                          "k": 3}) == 32
