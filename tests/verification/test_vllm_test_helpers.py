@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.pristine import PROJECT_ROOT
 
@@ -32,7 +33,7 @@ def _compile_helper(test_file: str, helper: str, constants: tuple[str, ...]):
         )
     ]
     assert len(keep) == len(constants) + 1, f"{helper} or a constant moved"
-    namespace: dict = {"ast": ast, "Path": Path}
+    namespace: dict = {"ast": ast, "Path": Path, "torch": torch}
     exec(compile(ast.Module(keep, type_ignores=[]), test_file, "exec"), namespace)
     return namespace[helper]
 
@@ -72,3 +73,23 @@ def test_platform_import_check_flags_platform_imports(platform_imports, source):
 )
 def test_platform_import_check_passes_shared_imports(platform_imports, source):
     assert platform_imports(source) == []
+
+
+@pytest.fixture(scope="module")
+def chi_square():
+    test_file = "tests/v1/spec_decode/test_rejection_sampler_nonfinite_draft.py"
+    assert_follows = _compile_helper(test_file, "_assert_follows", ("TARGET_PROBS",))
+    return assert_follows, assert_follows.__globals__["TARGET_PROBS"]
+
+
+def test_chi_square_helper_rejects_a_wrong_distribution(chi_square):
+    """The rejection-sampler tests' goodness-of-fit check has the power to
+    tell the target rows apart at their sample size (90 draws)."""
+    assert_follows, target_probs = chi_square
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.multinomial(target_probs[1], 90, True, generator=generator)
+    assert_follows(tokens, target_probs[1], "right distribution")
+    with pytest.raises(AssertionError):
+        assert_follows(tokens, target_probs[0], "wrong distribution")
+    with pytest.raises(AssertionError):
+        assert_follows(torch.zeros(90, dtype=torch.int64), target_probs[1], "zeros")

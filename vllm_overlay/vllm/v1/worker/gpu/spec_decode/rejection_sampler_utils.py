@@ -13,13 +13,20 @@ from vllm.v1.worker.gpu.sample.watermark import philox_gumbel_block_argmax
 
 
 @triton.jit
-def _compute_max_and_sumexp(logits):
+def _compute_max_and_sumexp(logits, KEEP_NAN: tl.constexpr):
     max = tl.max(logits, axis=0)
-    sumexp = tl.where(
-        max > float("-inf"),
-        tl.sum(tl.exp(logits - max)),
-        0.0,
-    )
+    if KEEP_NAN:
+        # The same sum, but a block without finite logits is shifted by 0
+        # rather than skipped: its -inf logits still add 0, and a NaN among
+        # them, which a NaN-suppressing max (as on GPUs) drops, makes the sum
+        # NaN. See _is_draft_distribution_finite.
+        sumexp = tl.sum(tl.exp(logits - tl.where(max > float("-inf"), max, 0.0)))
+    else:
+        sumexp = tl.where(
+            max > float("-inf"),
+            tl.sum(tl.exp(logits - max)),
+            0.0,
+        )
     return max, sumexp
 
 
@@ -51,41 +58,17 @@ def _compute_global_logsumexp(
 
 
 @triton.jit
-def _is_draft_distribution_finite(
-    draft_local_max_ptr,
-    draft_local_max_stride,
-    draft_local_sumexp_ptr,
-    draft_local_sumexp_stride,
-    logit_idx,
-    vocab_num_blocks,
-    PADDED_VOCAB_NUM_BLOCKS: tl.constexpr,
-    HAS_DRAFT_LOGITS: tl.constexpr,
-):
+def _is_draft_distribution_finite(draft_lse):
     # A drafter with a corrupted state can emit NaN or +/-inf logits. Such a
-    # row is no distribution: its position must not be accepted, and the ratio
-    # and residual computed from it are meaningless. Any NaN or +inf logit, or
-    # a row that is -inf everywhere, makes the draft log-sum-exp NaN whether
-    # the max reductions suppress NaN (as on GPUs) or propagate it:
-    # - NaN: _compute_local_logits_stats_kernel adds it to its block's sum.
+    # row is no distribution: it is verified like a -1 placeholder. Its draft
+    # log-sum-exp is NaN, whether max reductions suppress NaN (as on GPUs) or
+    # propagate it, with no extra pass over the logits:
+    # - NaN: exp(NaN - shift) makes its block's sum NaN (KEEP_NAN above).
     # - +inf: the block max is +inf and exp(inf - inf) is NaN in its sum.
     # - all -inf: the global max is -inf and 0 * exp(-inf - (-inf)) is NaN.
     # -inf logits next to a finite one (a masked vocabulary) keep it finite.
-    # NaN fails both comparisons below on every backend.
-    if HAS_DRAFT_LOGITS:
-        draft_lse = _compute_global_logsumexp(
-            draft_local_max_ptr,
-            draft_local_max_stride,
-            draft_local_sumexp_ptr,
-            draft_local_sumexp_stride,
-            logit_idx,
-            vocab_num_blocks,
-            PADDED_VOCAB_NUM_BLOCKS,
-        )
-        is_finite = (draft_lse > float("-inf")) & (draft_lse < float("inf"))
-    else:
-        # One-hot draft: a point mass at the draft token.
-        is_finite = True
-    return is_finite
+    # NaN fails both comparisons on every backend.
+    return (draft_lse > float("-inf")) & (draft_lse < float("inf"))
 
 
 @triton.jit
@@ -318,7 +301,9 @@ def _compute_local_logits_stats_kernel(
             mask=mask,
             other=float("-inf"),
         ).to(tl.float32)
-        target_max, target_sumexp = _compute_max_and_sumexp(target_logits)
+        target_max, target_sumexp = _compute_max_and_sumexp(
+            target_logits, KEEP_NAN=False
+        )
         tl.store(
             target_local_max_ptr + logit_idx * target_local_max_stride + block_idx,
             target_max,
@@ -343,13 +328,8 @@ def _compute_local_logits_stats_kernel(
                 ).to(tl.float32)
                 / temp
             )
-            draft_max, draft_sumexp = _compute_max_and_sumexp(draft_logits)
-            # Let a NaN logit poison the block sum (see
-            # _is_draft_distribution_finite). A NaN-suppressing max drops it,
-            # and so does the sum in a block with no finite logit. Adds 0.0
-            # otherwise.
-            draft_sumexp += tl.sum(
-                tl.where(draft_logits != draft_logits, draft_logits, 0.0)
+            draft_max, draft_sumexp = _compute_max_and_sumexp(
+                draft_logits, KEEP_NAN=True
             )
             tl.store(
                 draft_local_max_ptr + logit_idx * draft_local_max_stride + block_idx,
@@ -414,7 +394,7 @@ def _compute_cumulative_log_p_kernel(
         # -1 placeholder tokens can never be accepted. Skip their reductions
         # and carry the last valid cumulative value.
         if draft_token >= 0:
-            target_logprob, draft_logprob, _, _ = (
+            target_logprob, draft_logprob, _, draft_lse = (
                 _compute_global_logprobs_and_logsumexp(
                     draft_token,
                     True,  # mask
@@ -441,6 +421,13 @@ def _compute_cumulative_log_p_kernel(
                 )
             )
             log_p = tl.minimum(log_p + (target_logprob - draft_logprob), 0.0)
+            if HAS_DRAFT_LOGITS:
+                # log(p) <= 0, so +inf marks a draft position without a finite
+                # distribution for _rejection_kernel. It verifies it like a
+                # placeholder, so no ratio at or after it is used.
+                log_p = tl.where(
+                    _is_draft_distribution_finite(draft_lse), log_p, float("inf")
+                )
         tl.store(cumulative_log_p_ptr + logit_idx, log_p)
 
 
@@ -627,19 +614,12 @@ def _rejection_kernel(
         draft_sampled = tl.load(draft_sampled_ptr + logit_idx + 1).to(tl.int64)
         # -1 is used for placeholder draft token ids that should be rejected.
         is_valid_draft = draft_sampled >= 0
-        if not is_greedy:
+        if USE_BLOCK_VERIFICATION and HAS_DRAFT_LOGITS and not is_greedy:
             # A draft position without a finite draft distribution is verified
-            # like a -1 placeholder. Greedy never reads the draft logits.
-            is_valid_draft &= _is_draft_distribution_finite(
-                draft_local_max_ptr,
-                draft_local_max_stride,
-                draft_local_sumexp_ptr,
-                draft_local_sumexp_stride,
-                logit_idx,
-                vocab_num_blocks,
-                PADDED_VOCAB_NUM_BLOCKS,
-                HAS_DRAFT_LOGITS,
-            )
+            # like a placeholder (its log(p) is +inf). The standard method
+            # finds it from its log-sum-exp below. Greedy never reads the
+            # draft logits.
+            is_valid_draft &= tl.load(cumulative_log_p_ptr + logit_idx) < float("inf")
         # Avoid possible OOB ptr access.
         draft_sampled = tl.maximum(0, draft_sampled)
         if not is_greedy and FLY_WINDOW_SIZE == 0:
@@ -696,17 +676,12 @@ def _rejection_kernel(
                 # as if the draft put no mass there: its residual mass is then
                 # p_{i+1} and h reduces to p_{i+1}.
                 next_is_valid = next_draft_token >= 0
-                if next_is_valid:
-                    next_is_valid = _is_draft_distribution_finite(
-                        draft_local_max_ptr,
-                        draft_local_max_stride,
-                        draft_local_sumexp_ptr,
-                        draft_local_sumexp_stride,
-                        logit_idx + 1,
-                        vocab_num_blocks,
-                        PADDED_VOCAB_NUM_BLOCKS,
-                        HAS_DRAFT_LOGITS,
-                    )
+                if HAS_DRAFT_LOGITS:
+                    next_is_valid &= tl.load(
+                        cumulative_log_p_ptr + logit_idx + 1,
+                        mask=i < num_draft_tokens - 1,
+                        other=0.0,
+                    ) < float("inf")
                 if next_is_valid:
                     residual_mass = _compute_global_residual_mass(
                         local_residual_mass_ptr,
@@ -768,6 +743,10 @@ def _rejection_kernel(
                     # Probability ratio test: p(x) > u * q(x)
                     # Equivalent log form: log_p(x) > log(u) + log_q(x)
                     accepted = target_logprob > tl.log(u) + draft_logprob
+                if HAS_DRAFT_LOGITS:
+                    # Rejected like a placeholder; the resample kernel sees the
+                    # NaN log-sum-exp stored for it and draws from the target.
+                    accepted &= _is_draft_distribution_finite(step_draft_lse)
                 if FLY_WINDOW_SIZE > 0:
                     accepted &= is_valid_draft
                     can_defer = (
@@ -892,12 +871,6 @@ def _resample_kernel(
     draft_logits_stride_1,
     # [num_reqs]
     draft_rejected_logsumexp_ptr,
-    # [num_logits, num_blocks]
-    draft_local_max_ptr,
-    draft_local_max_stride,
-    # [num_logits, num_blocks]
-    draft_local_sumexp_ptr,
-    draft_local_sumexp_stride,
     # [num_reqs]
     rejected_step_ptr,
     # [num_reqs + 1]
@@ -923,9 +896,7 @@ def _resample_kernel(
     watermark_key_0,
     watermark_key_1,
     vocab_size,
-    vocab_num_blocks,
     BLOCK_SIZE: tl.constexpr,
-    PADDED_VOCAB_NUM_BLOCKS: tl.constexpr,
     HAS_DRAFT_LOGITS: tl.constexpr,
     USE_FP64: tl.constexpr,
     USE_BLOCK_VERIFICATION: tl.constexpr,
@@ -953,20 +924,12 @@ def _resample_kernel(
         other=0,
     )
     is_valid_rejected_draft = rejected_draft_token >= 0
-    if not is_bonus:
+    if HAS_DRAFT_LOGITS:
+        draft_lse = tl.load(draft_rejected_logsumexp_ptr + req_idx)
         # As for a placeholder, a draft without a finite distribution leaves the
         # target distribution to resample from: max(p - 0, 0) = p for the
         # standard residual, and max(p_tau * p - 0, 0) / Z = p for the block one.
-        is_valid_rejected_draft &= _is_draft_distribution_finite(
-            draft_local_max_ptr,
-            draft_local_max_stride,
-            draft_local_sumexp_ptr,
-            draft_local_sumexp_stride,
-            resample_token_idx,
-            vocab_num_blocks,
-            PADDED_VOCAB_NUM_BLOCKS,
-            HAS_DRAFT_LOGITS,
-        )
+        is_valid_rejected_draft &= _is_draft_distribution_finite(draft_lse)
 
     block_idx = tl.program_id(1)
     block = block_idx * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -1015,7 +978,6 @@ def _resample_kernel(
             / temp
         )
         target_lse = tl.load(target_rejected_logsumexp_ptr + req_idx)
-        draft_lse = tl.load(draft_rejected_logsumexp_ptr + req_idx)
         target_log_probs = target_logits - target_lse
         if USE_BLOCK_VERIFICATION:
             # Block residual is:
@@ -1464,10 +1426,6 @@ def rejection_sample(
         draft_logits_stride_0,
         draft_logits_stride_1,
         draft_rejected_logsumexp,
-        draft_local_max,
-        draft_local_max.stride(0),
-        draft_local_sumexp,
-        draft_local_sumexp.stride(0),
         num_sampled,
         cu_num_logits,
         expanded_idx_mapping,
@@ -1483,9 +1441,7 @@ def rejection_sample(
         watermark_key_0,
         watermark_key_1,
         vocab_size,
-        vocab_num_blocks,
         BLOCK_SIZE=RESAMPLE_BLOCK_SIZE,
-        PADDED_VOCAB_NUM_BLOCKS=padded_vocab_num_blocks,
         HAS_DRAFT_LOGITS=has_draft_logits,
         USE_FP64=use_fp64,
         USE_BLOCK_VERIFICATION=use_block_verification,
