@@ -194,14 +194,15 @@ def unpack_release(sdist: Path, dest: Path) -> int:
     """Unpack the sdist's top folder into `dest`; return the newest mtime in it.
 
     The whole archive is read, so a damaged one is caught here: a bad header
-    or a failed gzip check, never a base with files quietly missing.
+    or a failed gzip check, never a base with files quietly missing. `dest`
+    is a scratch folder that callers discard when this fails.
     """
     try:
         with gzip.open(sdist) as stream, tarfile.open(fileobj=stream, mode="r:") as archive:
             members = [m for m in release_members(archive, sdist.name)
                        if PurePosixPath(m.name).parts[0] not in _SKIP_FROM_RELEASE]
-            _read_to_the_end(archive, stream)
             archive.extractall(dest, members=members, filter="data")
+            _read_to_the_end(archive, stream)  # after: only a forward seek
     except tarfile.FilterError as e:
         raise StackError(f"{sdist.name}: {e}; refusing to unpack")
     except (tarfile.ReadError, tarfile.HeaderError, gzip.BadGzipFile, EOFError,
