@@ -40,6 +40,7 @@ RATIONALE = ("The ROCm kernels tile the work differently from the CUDA ones, so 
              "default block size overflows the shared memory budget on MI300 and the\n"
              "model falls back to a slow path; this keeps it on the fast one.")
 RELEASE_MTIME = 1_700_000_000
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
 
 FOO_V1 = """\
 # SPDX-License-Identifier: Apache-2.0

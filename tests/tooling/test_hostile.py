@@ -14,6 +14,7 @@ from tests.tooling.conftest import (
     SERIES_HEADER,
     V1,
     V2,
+    needs_make,
     release_files,
     sha256_file,
     write_patch,
@@ -99,6 +100,7 @@ def test_drift_refuses_such_an_sdist_from_the_index(stacked, index):
 # --- make variables are data --------------------------------------------------------
 
 
+@needs_make
 def test_make_install_overlay_takes_a_target_with_spaces(stacked, tmp_path):
     site = pristine_copy(tmp_path / "site packages", site_packages=True)
     result = stacked.make("install-overlay", f"TARGET={site}")
@@ -110,6 +112,7 @@ INJECTIONS = ["0.2.0; touch {marker}", "$(shell touch {marker})", "`touch {marke
               "0.2.0 $$(touch {marker})", "--help"]
 
 
+@needs_make
 @pytest.mark.parametrize("target, variable", [("install-overlay", "TARGET"),
                                               ("rebase", "VLLM_VERSION"),
                                               ("drift", "VLLM_VERSION")])

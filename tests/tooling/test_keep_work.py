@@ -25,6 +25,7 @@ from tests.tooling.conftest import (
     SUBJECT_2,
     V1,
     V2,
+    needs_make,
     release_files,
     write_patch,
 )
@@ -47,6 +48,7 @@ def assert_refused_and_kept(proj, result, *named: str) -> None:
     assert proj.tree.is_dir() and proj.git("rev-parse", "--git-dir") == ".git"
 
 
+@needs_make
 def test_clean_keeps_the_stash_its_refusal_suggested_until_forced(stacked):
     (stacked.tree / "vllm/models/wip.py").write_text("# work in progress\n")
     refused = stacked.run("apply")
@@ -61,6 +63,7 @@ def test_clean_keeps_the_stash_its_refusal_suggested_until_forced(stacked):
     assert not stacked.tree.exists()
 
 
+@needs_make
 def test_an_exported_force_variable_does_not_force(stacked):
     (stacked.tree / "vllm/models/wip.py").write_text("# work in progress\n")
     stacked.git("stash", "-u")
@@ -155,7 +158,7 @@ def test_a_new_pin_keeps_stashes_branches_and_history(stacked):
     assert stacked.git("status", "--porcelain", "--untracked-files=all") == ""
     # The same commits as a build from scratch: ids depend only on the inputs.
     head = stacked.head()
-    stacked.make("clean", "FORCE=1")
+    stacked.ok("clean", "--force")
     stacked.ok("apply")
     assert stacked.head() == head
 
