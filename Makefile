@@ -4,6 +4,16 @@
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
+# What the user passes in TARGET, VLLM_VERSION and FORCE is data, never code:
+# taken literally ($(value): make expands nothing in it), handed to the scripts
+# through the environment and quoted there (the shell runs nothing in it).
+# FORCE counts only when given on the command line, not inherited.
+FORCED := $(filter command line,$(origin FORCE))
+override TARGET := $(value TARGET)
+override VLLM_VERSION := $(value VLLM_VERSION)
+override FORCE := $(value FORCE)
+export TARGET VLLM_VERSION
+
 .PHONY: help apply patches rebase drift overlay install-overlay build test check bench gpubench lock clean fetch
 
 help:
@@ -16,7 +26,8 @@ help:
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make bench      time apply/check/patches against their goals (prints figures)"
 	@echo "make gpubench   time the stack's GPU kernels against the release (needs a GPU to run)"
-	@echo "make build | lock | fetch | clean"
+	@echo "make clean [FORCE=1]  remove build/ and the venvs (FORCE=1: also work only build/vllm holds)"
+	@echo "make build | lock | fetch"
 
 apply:
 	$(STACK) apply
@@ -25,18 +36,18 @@ patches:
 	$(STACK) patches
 
 rebase:
-	@test -n "$(VLLM_VERSION)" || { echo "usage: make rebase VLLM_VERSION=x.y.z"; exit 2; }
-	$(STACK) rebase $(VLLM_VERSION)
+	@test -n "$$VLLM_VERSION" || { echo "usage: make rebase VLLM_VERSION=x.y.z"; exit 2; }
+	$(STACK) rebase -- "$$VLLM_VERSION"
 
 drift:
-	$(STACK) drift $(VLLM_VERSION)
+	$(STACK) drift -- "$$VLLM_VERSION"
 
 overlay:
 	$(STACK) overlay
 
 install-overlay:
-	@test -n "$(TARGET)" || { echo "usage: make install-overlay TARGET=<folder containing vllm/>"; exit 2; }
-	$(STACK) install-overlay $(TARGET)
+	@test -n "$$TARGET" || { echo "usage: make install-overlay TARGET=<folder containing vllm/>"; exit 2; }
+	$(STACK) install-overlay -- "$$TARGET"
 
 build: apply
 	$(STACK) build
@@ -60,4 +71,4 @@ fetch:
 	$(STACK) fetch
 
 clean:
-	$(STACK) clean
+	$(STACK) clean $(if $(and $(FORCED),$(filter 1,$(FORCE))),--force)

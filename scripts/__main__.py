@@ -6,7 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from scripts.common import Layout, StackError
+from scripts.common import Layout, StackError, remove_leftovers
+from scripts.mutex import project_lock
+
+# Commands that write nothing of the project's own (build/, .cache/, vllm_overlay/).
+_UNLOCKED = {"install-overlay"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,13 +44,27 @@ def main(argv: list[str] | None = None) -> int:
                           help="one more tree to time, e.g. before=HEAD~1")
     gpubench.add_argument("--build-only", action="store_true",
                           help="build the package; do not run it")
-    sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
+    clean = sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
+    clean.add_argument("--force", action="store_true",
+                       help="also delete work that exists only in build/vllm (named first)")
     args = parser.parse_args(argv)
     layout = Layout.default()
     try:
-        return _dispatch(layout, args) or 0
+        if args.command in _UNLOCKED:
+            return _dispatch(layout, args) or 0
+        with project_lock(layout, args.command):
+            for folder in (layout.root, layout.build_dir):
+                remove_leftovers(folder)  # from runs that were killed
+            return _dispatch(layout, args) or 0
     except StackError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        # A file system error no check foresaw (a full disk, a permission):
+        # say which file, not a traceback.
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}; fix that and run the command again",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; nothing half-done is kept as good", file=sys.stderr)
@@ -77,7 +95,7 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
     elif args.command == "drift":
         from scripts.drift import drift
 
-        return drift(layout, args.version)
+        return drift(layout, args.version or None)
     elif args.command == "overlay":
         from scripts.overlay import regenerate
         from scripts.pin import load_pin
@@ -116,7 +134,7 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
     elif args.command == "clean":
         from scripts.clean import clean
 
-        clean(layout)
+        clean(layout, force=args.force)
     return None
 
 

@@ -4,28 +4,30 @@ It proves, without touching build/vllm's branch or work tree, that
 - patches/series and the patch files agree,
 - every patch has a vLLM-style subject, a DCO sign-off and a rationale, and
   touches only safe paths outside the kernel sources,
-- the series applies strictly to the pristine release, and
+- the series applies strictly to the pristine release and creates only
+  regular files (no symlink or submodule, as git reads the patch), and
 - vllm_overlay/ equals what the stack produces.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from pathlib import Path
 
 from scripts import overlay
 from scripts.common import Layout, StackError, rel, say
 from scripts.fetch import ensure_artifact
-from scripts.gitrepo import create_base, git, is_stack_repo, read_state
+from scripts.gitrepo import create_base, is_stack_repo, read_state
 from scripts.pin import Pin, load_pin
-from scripts.series import Patch, check_patch_paths, metadata_problems, read_series
-
-_ALLOWED_EXTRA_FILES = {"series", "README.md"}
-# Per-patch PR notes (long rationale, hardware test plan) that `make export`
-# folds into each PR description: patches/notes/<patch file stem>.md.
-NOTES_DIR = "notes"
+from scripts.series import (
+    Patch,
+    apply_to_index,
+    check_patch_paths,
+    metadata_problems,
+    read_series,
+    stray_notes,
+    unlisted_files,
+)
 
 
 def check(layout: Layout) -> int:
@@ -42,10 +44,10 @@ def check(layout: Layout) -> int:
             problems.append(str(e))
     if not problems:
         repo = _base_repo(layout, pin)
-        result_tree, apply_problems = _apply_in_index(repo, pin, patches)
-        problems += apply_problems
-        if result_tree:
-            problems += _overlay_problems(layout, repo, pin, result_tree, patches)
+        applied = apply_to_index(repo, pin.base_tag, patches)
+        problems += applied.special + ([applied.failure] if applied.failure else [])
+        if applied.tree and not applied.special:
+            problems += _overlay_problems(layout, repo, pin, applied.tree, patches)
     for msg in problems:
         say(f"FAIL {msg}")
     verdict = "FAILED" if problems else "OK"
@@ -55,28 +57,12 @@ def check(layout: Layout) -> int:
 
 
 def _series_agreement(layout: Layout, patches: list[Patch]) -> list[str]:
-    listed = {p.name for p in patches}
-    problems = []
-    for path in sorted(layout.patches_dir.iterdir()):
-        if path.name in listed or path.name in _ALLOWED_EXTRA_FILES:
-            continue
-        if path.name == NOTES_DIR and path.is_dir() and not path.is_symlink():
-            problems += _stray_notes(layout, path, listed)
-        elif path.suffix == ".patch":
-            problems.append(f"{rel(path, layout)} is not listed in patches/series")
-        else:
-            problems.append(f"{rel(path, layout)} does not belong in patches/")
-    return problems
-
-
-def _stray_notes(layout: Layout, notes_dir: Path, listed: set[str]) -> list[str]:
-    stems = {Path(name).stem for name in listed}
-    return [
-        f"{rel(path, layout)} belongs to no patch in patches/series "
-        "(rename it after its patch, or delete it with the patch)"
-        for path in sorted(notes_dir.iterdir())
-        if path.suffix != ".md" or path.stem not in stems or not path.is_file()
-    ]
+    return [f"{rel(path, layout)} is not listed in patches/series" if path.suffix == ".patch"
+            else f"{rel(path, layout)} does not belong in patches/"
+            for path in unlisted_files(layout, patches)] + [
+        f"{rel(path, layout)} belongs to no patch in patches/series (name it "
+        "<patch file stem>.md, or delete it with its patch)"
+        for path in stray_notes(layout, patches)]
 
 
 def _base_repo(layout: Layout, pin: Pin) -> Path:
@@ -88,24 +74,6 @@ def _base_repo(layout: Layout, pin: Pin) -> Path:
     sdist = ensure_artifact(layout, pin.project, pin.sdist)
     create_base(layout, pin, sdist, dest=repo)
     return repo
-
-
-def _apply_in_index(repo: Path, pin: Pin, patches: list[Patch]) -> tuple[str | None, list[str]]:
-    """Apply the series strictly to the base in a scratch index; return the tree id."""
-    fd, index = tempfile.mkstemp(prefix="k3-check-index-")
-    os.close(fd)
-    env = {"GIT_INDEX_FILE": index}
-    try:
-        git(repo, "read-tree", pin.base_tag, env=env)
-        for p in patches:
-            result = git(repo, "apply", "--cached", "--whitespace=nowarn",
-                         str(p.path.resolve()), env=env, check=False)
-            if result.returncode != 0:
-                return None, [f"{p.name} does not apply strictly to {pin.base_tag} after "
-                              f"the patches before it:\n{result.stderr.strip()}"]
-        return git(repo, "write-tree", env=env).stdout.strip(), []
-    finally:
-        os.unlink(index)
 
 
 def _overlay_problems(layout: Layout, repo: Path, pin: Pin, result_tree: str,

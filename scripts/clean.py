@@ -1,27 +1,33 @@
 """`make clean`: remove what the tooling built, keeping the download cache.
 
-Refuses while build/vllm holds work that is not exported to patches/, and
-leaves alone anything in build/ that the tooling did not make.
+build/vllm is deleted only when nothing in it exists nowhere else, or when the
+user says so with `make clean FORCE=1` (then each piece is named as it goes).
+Kept are: uncommitted changes, an unfinished `git am`, stashes, other
+worktrees, and every commit, on any branch or only in the reflog, whose work
+is in no saved patch: neither in patches/ nor in the project's git history.
+Anything in build/ that the tooling did not make is left alone.
 """
 
 from __future__ import annotations
 
-import shutil
+import hashlib
+from pathlib import Path
 
-from scripts.common import Layout, rel, say, warn
-from scripts.gitrepo import is_stack_repo
-from scripts.stack import guard_tree
+from scripts.common import SCRATCH_PREFIXES, Layout, StackError, discard, rel, run, say, warn
+from scripts.gitrepo import RELEASE_AUTHOR, am_in_progress, dirty_files, git, is_stack_repo
+from scripts.prefixes import worktree_path
+from scripts.stack import recover_interrupted_apply, render_commit
 
 _GENERATED = ("check-base", "drift-base", "prefix-tree", "test-results")
+_SHOWN = 10  # items of one kind listed before "... and N more"
 
 
-def clean(layout: Layout) -> None:
+def clean(layout: Layout, force: bool = False) -> None:
     if is_stack_repo(layout.tree):
-        guard_tree(layout, "`make clean`")
-        _remove(layout, layout.tree)
+        _clean_tree(layout, force)
     if layout.build_dir.exists():
         for path in sorted(layout.build_dir.iterdir()):
-            if path.name in _GENERATED or path.name.startswith(".vllm-unpacking-"):
+            if path.name in _GENERATED or path.name.startswith(SCRATCH_PREFIXES):
                 _remove(layout, path)
             else:
                 warn(f"left {rel(path, layout)} alone: not made by this tooling")
@@ -33,6 +39,121 @@ def clean(layout: Layout) -> None:
     say(f"kept the download cache {rel(layout.cache_dir, layout)}/")
 
 
-def _remove(layout: Layout, path) -> None:
-    shutil.rmtree(path)
+def _clean_tree(layout: Layout, force: bool) -> None:
+    where = rel(layout.tree, layout)
+    try:
+        doomed = unsaved_work(layout)
+    except StackError as e:  # a damaged repository: nothing in it can be checked
+        if not force:
+            raise
+        doomed = [str(e).split("\n")[0]]
+    if doomed and not force:
+        raise StackError(
+            f"`make clean` would delete work that exists only in {where}:\n  "
+            + "\n  ".join(doomed)
+            + f"\nSave it elsewhere first (`git -C {where} bundle create ../vllm-work.bundle "
+            f"--all` keeps branches and stashes; `git -C {where} format-patch -1 <commit>` "
+            "one commit), or delete it with `make clean FORCE=1`.")
+    if doomed:
+        say(f"FORCE=1: deleting work that exists only in {where}:\n  " + "\n  ".join(doomed))
+    _remove(layout, layout.tree)
+
+
+def unsaved_work(layout: Layout) -> list[str]:
+    """What deleting build/vllm would lose, one line per piece; empty if nothing."""
+    tree = layout.tree
+    recover_interrupted_apply(layout)
+    work = []
+    if am_in_progress(tree):
+        work.append("an unfinished `git am` (a rebase, or an edit by hand)")
+    if dirty := dirty_files(tree):
+        work.append("uncommitted changes: " + _listed(dirty))
+    work += git(tree, "stash", "list", "--format=%gd: %gs").stdout.splitlines()
+    work += _other_worktrees(layout)
+    work += _unsaved_commits(layout)
+    return work
+
+
+def _listed(items: list[str]) -> str:
+    more = f" ... and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
+    return ", ".join(items[:_SHOWN]) + more
+
+
+def _other_worktrees(layout: Layout) -> list[str]:
+    """Worktrees of build/vllm other than the tooling's own: their index and
+    branch live in build/vllm."""
+    blocks = git(layout.tree, "worktree", "list", "--porcelain").stdout.strip().split("\n\n")
+    ours = worktree_path(layout).resolve()
+    found = []
+    for block in blocks[1:]:  # the first is build/vllm itself
+        fields = dict(line.partition(" ")[::2] for line in block.splitlines())
+        path = Path(fields["worktree"])
+        if path.resolve() == ours or not path.exists():
+            continue
+        branch = fields.get("branch", "").removeprefix("refs/heads/") or "a detached HEAD"
+        found.append(f"worktree {path} (on {branch})")
+    return found
+
+
+def _unsaved_commits(layout: Layout) -> list[str]:
+    """Commits reachable from any ref or reflog whose work no saved patch holds.
+
+    A commit is saved when its export is a patch file that patches/ holds or the
+    project's git history ever held, or when its tree equals the tree of a saved
+    commit (a fixup folded into its patch, say). Release commits come from the
+    cache or the index again; stash commits are listed as stashes.
+    """
+    tree = layout.tree
+    algorithm, saved_patches = _saved_patch_ids(layout)
+    stashed = set()
+    for line in git(tree, "stash", "list", "--format=%H %P").stdout.splitlines():
+        stash, _head, *parts = line.split()  # the stash, the commit it was made on, its parts
+        stashed.update([stash, *parts])
+    release = f"{RELEASE_AUTHOR['GIT_AUTHOR_NAME']} <{RELEASE_AUTHOR['GIT_AUTHOR_EMAIL']}>"
+    log = git(tree, "log", "--all", "--reflog", "--format=%H%x00%T%x00%an <%ae>%x00%h %s")
+    saved_trees, unknown = set(), []
+    for line in log.stdout.splitlines():
+        commit, tree_id, author, title = line.split("\0")
+        if commit in stashed or author == release:
+            continue
+        if _blob_id(render_commit(layout, commit), algorithm) in saved_patches:
+            saved_trees.add(tree_id)
+        else:
+            unknown.append((commit, tree_id, title))
+    lost = [(commit, title) for commit, tree_id, title in unknown if tree_id not in saved_trees]
+    shown = [f"commit {title} ({_holders(tree, commit)})" for commit, title in lost[:_SHOWN]]
+    return shown + ([f"... and {len(lost) - _SHOWN} more commits"] if len(lost) > _SHOWN else [])
+
+
+def _holders(tree: Path, commit: str) -> str:
+    refs = git(tree, "for-each-ref", "--contains", commit, "--format=%(refname:short)",
+               "refs/heads", "refs/tags").stdout.split()
+    return f"on {', '.join(refs)}" if refs else "only in the reflog"
+
+
+def _saved_patch_ids(layout: Layout) -> tuple[str, set[str]]:
+    """The git object ids of every patch file in patches/ or in the project's history."""
+    root = layout.root
+    found = run(["git", "-C", str(root), "rev-parse", "--show-object-format"], check=False)
+    in_git = found.returncode == 0
+    algorithm = found.stdout.strip() if in_git else "sha1"
+    ids = {_blob_id(p.read_bytes(), algorithm) for p in layout.patches_dir.glob("*.patch")}
+    if in_git:
+        # Every version of every file under patches/ that a commit or the index holds.
+        history = run(["git", "-C", str(root), "log", "--all", "--format=", "--raw",
+                       "--no-abbrev", "--no-renames", "--", "patches/"]).stdout
+        for line in history.splitlines():  # ":100644 100644 <old id> <new id> M\tpath"
+            ids.update(line.split("\t")[0].split()[2:4])
+        staged = run(["git", "-C", str(root), "ls-files", "-s", "--", "patches/"]).stdout
+        ids.update(line.split()[1] for line in staged.splitlines())
+    return algorithm, ids
+
+
+def _blob_id(data: bytes, algorithm: str) -> str:
+    """The id git gives a file with these bytes."""
+    return hashlib.new(algorithm, b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _remove(layout: Layout, path: Path) -> None:
+    discard(path)
     say(f"removed {rel(path, layout)}/")

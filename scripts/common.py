@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +62,11 @@ class Layout:
         return self.cache_dir / "quarantine"
 
     @property
+    def locks_dir(self) -> Path:
+        """Locks of the download cache, shared by every clone that uses it."""
+        return self.cache_dir / "locks"
+
+    @property
     def build_dir(self) -> Path:
         return self.root / "build"
 
@@ -96,6 +103,31 @@ def rel(path: Path, layout: Layout | None = None) -> str:
         return str(path.resolve().relative_to(root.resolve()))
     except ValueError:
         return str(path)
+
+
+# Prefixes of folders that exist only while a command runs; a leftover is from a
+# run that was killed, and the next run (or `make clean`) removes it.
+SCRATCH_PREFIXES = (".vllm-unpacking-", ".removing-")
+
+
+def discard(path: Path) -> None:
+    """Delete a folder so that no interruption leaves it half deleted.
+
+    It is first renamed away (one atomic step), then deleted; a killed run
+    leaves a `.removing-*` folder, never a half-deleted tree in its place.
+    """
+    trash = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIXES[1]}{path.name}-",
+                                  dir=path.parent))
+    os.replace(path, trash / path.name)
+    shutil.rmtree(trash)
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Remove scratch folders that killed runs left in `folder` (call under the lock)."""
+    if folder.is_dir():
+        for path in folder.iterdir():
+            if path.name.startswith(SCRATCH_PREFIXES) and path.is_dir():
+                shutil.rmtree(path)
 
 
 def say(message: str) -> None:

@@ -15,18 +15,30 @@ import re
 import tempfile
 
 from scripts.common import Layout, say
-from scripts.fetch import configured_indexes, ensure_artifact, list_project_files
+from scripts.fetch import (
+    IndexUnreachable,
+    configured_indexes,
+    ensure_artifact,
+    index_needed,
+    list_project_files,
+    newest_version,
+    release_versions,
+)
 from scripts.gitrepo import create_base, git, is_stack_repo, read_state
-from scripts.pin import Pin, load_pin
+from scripts.pin import Pin, check_version, load_pin
 from scripts.rebase import pin_for
 from scripts.series import Patch, read_series
 
-_RELEASE_SDIST = re.compile(r"^vllm-(\d+(?:\.\d+)*)\.tar\.gz$")
-
 
 def drift(layout: Layout, version: str | None = None) -> int:
+    if version is not None:
+        check_version(version, "VLLM_VERSION", "give a release, as in "
+                      "`make drift VLLM_VERSION=0.34.0`, or none for the newest")
     pin = load_pin(layout.pin_file)
-    version = version or newest_release(pin)
+    try:
+        version = version or newest_release(pin)
+    except IndexUnreachable as e:
+        raise index_needed("look up the newest vLLM release for `make drift`", e)
     if version == pin.version:
         say(f"vLLM {pin.version} is the newest release on the index: no drift to check")
         return 0
@@ -47,8 +59,7 @@ def drift(layout: Layout, version: str | None = None) -> int:
 def newest_release(pin: Pin) -> str:
     """The highest final-release version with an sdist on the first index."""
     files = list_project_files(configured_indexes()[0], pin.project)
-    versions = [m.group(1) for f in files if (m := _RELEASE_SDIST.match(f.filename))]
-    return max(versions + [pin.version], key=lambda v: tuple(int(p) for p in v.split(".")))
+    return newest_version(release_versions(files) + [pin.version])
 
 
 def _try_series(repo, new: Pin, patches: list[Patch]) -> int:

@@ -1,8 +1,13 @@
 """Download pinned release artifacts through pip's configured package index.
 
 Files land in the download cache only after their size and sha256 match the
-pin; a mismatching download is moved to the quarantine folder, never used.
-A partial download stays a `.part` file, which is never taken as good.
+pin, and a cached file is hashed again each time it is used: a file changed
+in place is never trusted on its size or date. A mismatching file is moved to
+the quarantine folder (the last one per artifact is kept), never used. A
+download stops as soon as it exceeds the expected size, so no index can fill
+the disk. Each cached file has its own lock, since K3_CACHE_DIR may share the
+cache between clones; a partial download is a `.part` file of its run, never
+taken as good.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import html.parser
 import http.client
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -22,10 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.common import Layout, StackError, rel, say, warn
+from scripts.mutex import cache_lock
 from scripts.pin import Artifact
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 _CHUNK = 1 << 20
+# A project page larger than this is not an index page (PyPI's for vLLM is ~1 MB).
+_MAX_PAGE = 64 << 20
+_RELEASE_SDIST = re.compile(r"^vllm-(\d+(?:\.\d+)*)\.tar\.gz$")
+
+
+class IndexUnreachable(StackError):
+    """The package index did not answer (offline, a proxy, a wrong URL)."""
 
 
 @dataclass(frozen=True)
@@ -68,58 +83,108 @@ def cached_path(layout: Layout, artifact: Artifact) -> Path:
 
 
 def ensure_artifact(layout: Layout, project: str, artifact: Artifact) -> Path:
-    """Return the verified cached file, downloading it if it is not cached yet."""
-    path = cached_path(layout, artifact)
-    if path.exists():
-        if _is_verified(path, artifact):
-            return path
-        moved = _quarantine(layout, path)
-        warn(f"cached {artifact.filename} does not match pin.toml; moved to "
-             f"{rel(moved, layout)}, downloading it again")
-    layout.downloads_dir.mkdir(parents=True, exist_ok=True)
-    index_file = find_in_index(project, artifact.filename, layout.downloads_dir)
-    if index_file.sha256 and index_file.sha256 != artifact.sha256:
-        raise StackError(
-            f"the index lists {artifact.filename} with sha256 {index_file.sha256}, "
-            f"but pin.toml pins {artifact.sha256}; check pin.toml before going on"
-        )
-    part = path.with_name(path.name + ".part")
-    _download(index_file.url, part, artifact, layout)
-    actual = sha256_of(part)
-    size = part.stat().st_size
-    if size != artifact.size or actual != artifact.sha256:
-        moved = _quarantine(layout, part)
-        raise StackError(
-            f"downloaded {artifact.filename} does not match pin.toml "
-            f"(size {size}, expected {artifact.size}; sha256 {actual}, expected "
-            f"{artifact.sha256}). It was moved to {rel(moved, layout)} and not "
-            "used. Run the command again to retry; if the index keeps serving "
-            "these bytes, the pin or the index is wrong."
-        )
-    os.replace(part, path)
-    _mark_verified(path, artifact)
-    return path
+    """Return the cached file, its sha256 checked now; download it if it is not cached."""
+    with cache_lock(layout, artifact.filename):
+        path = cached_path(layout, artifact)
+        if path.exists():
+            if _matches(path, artifact):
+                return path
+            moved = _quarantine(layout, path, artifact)
+            warn(f"cached {artifact.filename} does not match pin.toml; moved to "
+                 f"{rel(moved, layout)}, downloading it again")
+        layout.downloads_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            index_file = find_in_index(project, artifact.filename)
+        except IndexUnreachable as e:
+            raise StackError(
+                f"cannot download {artifact.filename}: {e}\nIf this machine is offline, "
+                f"fetch {artifact.filename} on a machine that can (e.g. from the project's "
+                f"page on PyPI) and put it in {layout.downloads_dir}/; it is checked "
+                "against pin.toml before use.")
+        if index_file.sha256 and index_file.sha256 != artifact.sha256:
+            raise StackError(
+                f"the index lists {artifact.filename} with sha256 {index_file.sha256}, "
+                f"but pin.toml pins {artifact.sha256}; check pin.toml before going on"
+            )
+        _download_verified(layout, index_file.url, artifact, path)
+        return path
 
 
-def find_in_index(project: str, filename: str, downloads: Path | None = None) -> IndexFile:
+def _download_verified(layout: Layout, url: str, artifact: Artifact, path: Path) -> None:
+    """Download into a `.part` file of this run; only verified bytes become `path`."""
+    for stale in [*path.parent.glob(f"{path.name}.part"), *path.parent.glob(f"{path.name}.*.part")]:
+        stale.unlink()  # from a run that was killed: we hold the file's lock
+    fd, name = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".part", dir=path.parent)
+    os.close(fd)
+    part = Path(name)
+    try:
+        received = _download(url, part, artifact, layout)
+        actual = sha256_of(part)
+        if received != artifact.size or actual != artifact.sha256:
+            moved = _quarantine(layout, part, artifact)
+            size = (f"more than the {artifact.size} bytes pinned: the download was stopped "
+                    "there" if received > artifact.size
+                    else f"size {received}, expected {artifact.size}")
+            raise StackError(
+                f"downloaded {artifact.filename} does not match pin.toml ({size}; sha256 "
+                f"{actual}, expected {artifact.sha256}). It was moved to {rel(moved, layout)} "
+                "and not used. Run the command again to retry; if the index keeps serving "
+                "these bytes, the pin or the index is wrong."
+            )
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def find_in_index(project: str, filename: str) -> IndexFile:
     """Look `filename` up on each configured index (PEP 691 JSON, else PEP 503 HTML)."""
-    problems = []
+    unreachable, missing = [], []
     for index in configured_indexes():
         try:
             files = list_project_files(index, project)
-        except StackError as e:
-            problems.append(str(e))
+        except IndexUnreachable as e:
+            unreachable.append(str(e))
+            continue
+        except StackError as e:  # it answered, but not with a usable page
+            missing.append(str(e))
             continue
         for f in files:
             if f.filename == filename:
                 return f
-        problems.append(f"{index}: no file {filename} for {project}")
-    raise StackError(
-        f"cannot download {filename}: " + "; ".join(problems) + "\n"
-        f"If this machine is offline, fetch {filename} on a machine that can "
-        f"(e.g. from the project's page on PyPI) and put it in {downloads or 'the download cache'}/; "
-        "it is checked against pin.toml before use."
-    )
+        missing.append(_not_listed(index, project, filename, files))
+    if unreachable:  # the file may be on an index that did not answer
+        raise IndexUnreachable("; ".join(unreachable + missing))
+    raise StackError(f"cannot download {filename}: " + "; ".join(missing)
+                     + ". Check the version asked for (pin.toml, or VLLM_VERSION).")
+
+
+def _not_listed(index: str, project: str, filename: str, files: list[IndexFile]) -> str:
+    version = filename[len(project) + 1:].split("-")[0].removesuffix(".tar.gz")
+    versions = release_versions(files)
+    if version in versions:
+        return f"{index} has vLLM {version} but no file {filename} for {project}"
+    newest = f"the newest is {newest_version(versions)}" if versions else "it lists none"
+    return (f"{index} has no file {filename} for {project}: there is no vLLM {version} "
+            f"there ({newest})")
+
+
+def release_versions(files: list[IndexFile]) -> list[str]:
+    """The final releases that have an sdist among `files`."""
+    return [m.group(1) for f in files if (m := _RELEASE_SDIST.match(f.filename))]
+
+
+def newest_version(versions: list[str]) -> str:
+    def release(v: str) -> tuple[int, ...]:  # "0.34.0rc1" -> (0, 34, 0)
+        return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", v).group().split("."))
+    return max(versions, key=release)
+
+
+def index_needed(what: str, error: StackError) -> StackError:
+    """The error for a command that cannot work without the package index."""
+    return StackError(
+        f"cannot reach the package index to {what} ({error}). It is the index pip "
+        "uses (PIP_INDEX_URL, or pip's configuration): run the command again where it "
+        "is reachable. Nothing was changed.")
 
 
 def list_project_files(index: str, project: str) -> list[IndexFile]:
@@ -128,13 +193,23 @@ def list_project_files(index: str, project: str) -> list[IndexFile]:
         "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            body = response.read()
+            body = response.read(_MAX_PAGE + 1)
             content_type = response.headers.get("Content-Type", "")
             base = response.geturl()
+    except urllib.error.HTTPError as e:
+        if e.code == 404:  # the index answered: it has no such project
+            raise StackError(f"{url}: {e.code} {e.reason}")
+        raise IndexUnreachable(f"{url}: {e.code} {e.reason}")
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise StackError(f"{url}: {getattr(e, 'reason', e)}")
-    if "json" in content_type:
-        return [_json_file(base, f) for f in json.loads(body)["files"]]
+        raise IndexUnreachable(f"{url}: {getattr(e, 'reason', e)}")
+    if len(body) > _MAX_PAGE:
+        raise StackError(f"{url}: the page is larger than {_MAX_PAGE >> 20} MB; that is "
+                         "not a package index page")
+    try:
+        if "json" in content_type:
+            return [_json_file(base, f) for f in json.loads(body)["files"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StackError(f"{url}: not a PEP 691 project page ({e!r})")
     return _html_files(base, body.decode("utf-8", "replace"))
 
 
@@ -170,22 +245,29 @@ def _html_files(base: str, page: str) -> list[IndexFile]:
     return files
 
 
-def _download(url: str, part: Path, artifact: Artifact, layout: Layout) -> None:
+def _download(url: str, part: Path, artifact: Artifact, layout: Layout) -> int:
+    """Stream `url` into `part`, stopping once past the expected size; return the
+    number of bytes received."""
     say(f"downloading {artifact.filename} ({artifact.size / 1e6:.1f} MB)")
+    received = 0
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as out:
             progress = _Progress(artifact.size)
             while chunk := response.read(_CHUNK):
                 out.write(chunk)
+                received += len(chunk)
+                if received > artifact.size:
+                    break  # an index must not be able to fill the disk
                 progress.update(len(chunk))
             progress.done()
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
         raise StackError(
             f"download of {artifact.filename} from {url} failed: "
-            f"{getattr(e, 'reason', e)!r}. The partial file {part.name} is never "
-            "used; run the command again to retry, or put the file in "
+            f"{getattr(e, 'reason', e)!r}. The partial file is never used; run the "
+            "command again to retry, or put the file in "
             f"{rel(layout.downloads_dir, layout)}/ by hand."
         )
+    return received
 
 
 class _Progress:
@@ -216,35 +298,19 @@ class _Progress:
         return f"{percent:5.1f}%  {self.seen / 1e6:7.1f} MB  {rate:6.1f} MB/s"
 
 
-def _quarantine(layout: Layout, path: Path) -> Path:
-    """Move a file that failed verification out of the cache, keeping it for inspection."""
+def _quarantine(layout: Layout, path: Path, artifact: Artifact) -> Path:
+    """Move a file that failed verification out of the cache, keeping it for inspection.
+
+    Only the last rejected copy of each artifact is kept: a retry loop against a
+    bad mirror must not fill the disk with copies of the same release.
+    """
     layout.quarantine_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    target = layout.quarantine_dir / f"{path.name}.{stamp}"
-    n = 1
-    while target.exists():
-        n += 1
-        target = layout.quarantine_dir / f"{path.name}.{stamp}.{n}"
+    for older in layout.quarantine_dir.glob(f"{artifact.filename}.*"):
+        older.unlink()
+    target = layout.quarantine_dir / f"{artifact.filename}.{time.strftime('%Y%m%dT%H%M%S')}"
     os.replace(path, target)
-    path.with_name(path.name + ".verified").unlink(missing_ok=True)
     return target
 
 
-def _stamp(path: Path, artifact: Artifact) -> str:
-    st = path.stat()
-    return f"{artifact.sha256} {st.st_size} {st.st_mtime_ns}\n"
-
-
-def _is_verified(path: Path, artifact: Artifact) -> bool:
-    """True when the file was hashed before and has not changed since."""
-    marker = path.with_name(path.name + ".verified")
-    if marker.exists() and marker.read_text() == _stamp(path, artifact):
-        return True
-    if path.stat().st_size == artifact.size and sha256_of(path) == artifact.sha256:
-        _mark_verified(path, artifact)
-        return True
-    return False
-
-
-def _mark_verified(path: Path, artifact: Artifact) -> None:
-    path.with_name(path.name + ".verified").write_text(_stamp(path, artifact))
+def _matches(path: Path, artifact: Artifact) -> bool:
+    return path.stat().st_size == artifact.size and sha256_of(path) == artifact.sha256

@@ -6,15 +6,17 @@ patches (or the release), so the same inputs always give the same commit ids.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
 import shutil
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path, PurePosixPath
 
-from scripts.common import Layout, StackError, rel, run, say
+from scripts.common import Layout, StackError, discard, rel, run, say
 from scripts.pin import Pin
 
 BRANCH = "stack"
@@ -41,11 +43,33 @@ _SKIP_FROM_RELEASE = ("vllm.egg-info",)
 
 
 def git(tree: Path, *args: str, env: dict | None = None, check: bool = True,
-        input: str | None = None):
+        input: str | None = None, text: bool = True):
+    """Run git in `tree`, and only there.
+
+    Git looks for a repository in the parent folders when `tree` has none (or
+    a damaged one); the project itself is one. The ceiling stops that search,
+    so a command meant for build/vllm can never run on the project's history.
+    """
+    ceiling = {"GIT_CEILING_DIRECTORIES": str(Path(tree).resolve().parent)}
     # A fixed committer: the machine may have no git identity (CI), and commit
     # ids must not depend on who runs the tooling.
-    return run(["git", "-C", str(tree), *args], env={**TOOL_IDENTITY, **(env or {})},
-               check=check, input=input)
+    result = run(["git", "-C", str(tree), *args], env={**TOOL_IDENTITY, **ceiling, **(env or {})},
+                 check=False, input=input, text=text)
+    err = result.stderr if text else result.stderr.decode(errors="replace")
+    if result.returncode == 128 and "not a git repository" in err and (tree / ".git").exists():
+        raise StackError(damaged_message(tree, err.strip()))
+    if check and result.returncode != 0:
+        out = result.stdout if text else result.stdout.decode(errors="replace")
+        raise StackError(f"command failed ({result.returncode}): git -C {tree} "
+                         f"{' '.join(args)}\n{(err or out).strip()}")
+    return result
+
+
+def damaged_message(tree: Path, detail: str) -> str:
+    where = rel(tree)
+    return (f"{where}/.git is damaged ({detail.splitlines()[0]}), so what it holds cannot "
+            f"be checked. To keep what is left, move {where} away; to delete it, run "
+            "`make clean FORCE=1`. Then run `make apply`.")
 
 
 def state_path(tree: Path) -> Path:
@@ -54,9 +78,14 @@ def state_path(tree: Path) -> Path:
 
 def read_state(tree: Path) -> dict:
     try:
-        return json.loads(state_path(tree).read_text())
+        state = json.loads(state_path(tree).read_text())
     except FileNotFoundError:
         return {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StackError(damaged_message(tree, f"{state_path(tree).name}: {e}"))
+    if not isinstance(state, dict):
+        raise StackError(damaged_message(tree, f"{state_path(tree).name} is not an object"))
+    return state
 
 
 def write_state(tree: Path, **updates) -> None:
@@ -74,11 +103,42 @@ def _unsafe(parts: tuple[str, ...]) -> bool:
     return not parts or ".." in parts or ".git" in parts
 
 
+# More links followed for one path than this is a loop.
+_MAX_LINK_HOPS = 40
+
+
+def _resolve(parts: tuple[str, ...], links: dict[tuple[str, ...], str]) -> tuple[str, ...] | None:
+    """Where `parts` (relative to the top folder) leads once every symlink of the
+    archive exists, whatever order they are unpacked in; None if it leaves the tree."""
+    resolved: list[str] = []
+    pending = list(parts)
+    hops = 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not resolved:
+                return None
+            resolved.pop()
+            continue
+        resolved.append(part)
+        target = links.get(tuple(resolved))
+        if target is not None:
+            hops += 1
+            if hops > _MAX_LINK_HOPS or target.startswith("/"):
+                return None
+            resolved.pop()
+            pending[:0] = target.split("/")
+    return tuple(resolved)
+
+
 def release_members(archive: tarfile.TarFile, archive_name: str) -> list[tarfile.TarInfo]:
     """The members under the archive's single top folder, renamed relative to it.
 
     Every path, and every link target, must stay inside that folder and out of
-    any .git folder (a .git/config could make later git commands run code).
+    any .git folder (a .git/config could make later git commands run code),
+    also when resolved through the archive's other links.
     """
     members = archive.getmembers()
     if not members:
@@ -96,37 +156,77 @@ def release_members(archive: tarfile.TarFile, archive_name: str) -> list[tarfile
         if _unsafe(parts):
             raise StackError(f"{archive_name}: member {m.name!r} would be written outside "
                              "the source tree or into a .git folder; refusing to unpack")
-        if m.issym():
-            target = PurePosixPath(os.path.normpath(str(PurePosixPath(*parts).parent
-                                                          / m.linkname)))
-            if PurePosixPath(m.linkname).is_absolute() or _unsafe(target.parts):
-                raise StackError(f"{archive_name}: link {m.name!r} -> {m.linkname!r} "
-                                 "points outside the source tree; refusing to unpack")
-        elif m.islnk():
+        if m.islnk():
             target = PurePosixPath(m.linkname)
             if not target.parts or target.parts[0] != top or _unsafe(target.parts[1:]):
                 raise StackError(f"{archive_name}: hard link {m.name!r} -> {m.linkname!r} "
                                  "points outside the source tree; refusing to unpack")
             m.linkname = str(PurePosixPath(*target.parts[1:]))
-        elif not (m.isfile() or m.isdir()):
+        elif not (m.isfile() or m.isdir() or m.issym()):
             raise StackError(f"{archive_name}: member {m.name!r} is not a plain file")
+        kept.append((m.name, m))
         m.name = str(PurePosixPath(*parts))
-        kept.append(m)
-    return kept
+    _check_links(archive_name, kept)
+    return [m for _, m in kept]
+
+
+def _check_links(archive_name: str, members: list[tuple[str, tarfile.TarInfo]]) -> None:
+    """Refuse a member whose folder or link target resolves outside the tree."""
+    links = {PurePosixPath(m.name).parts: m.linkname for _, m in members if m.issym()}
+    for original, m in members:
+        parts = PurePosixPath(m.name).parts
+        folder = _resolve(parts[:-1], links)
+        if m.issym():
+            target = None if m.linkname.startswith("/") else \
+                _resolve(parts[:-1] + tuple(m.linkname.split("/")), links)
+        elif m.islnk():
+            target = _resolve(PurePosixPath(m.linkname).parts, links)
+        else:
+            target = folder
+        if folder is None or target is None or ".git" in folder + target:
+            raise StackError(f"{archive_name}: member {original!r}"
+                             + (f" -> {m.linkname!r}" if m.issym() or m.islnk() else "")
+                             + " resolves outside the source tree (or into .git) once "
+                             "the archive's links exist; refusing to unpack")
 
 
 def unpack_release(sdist: Path, dest: Path) -> int:
-    """Unpack the sdist's top folder into `dest`; return the newest mtime in it."""
+    """Unpack the sdist's top folder into `dest`; return the newest mtime in it.
+
+    The whole archive is read, so a damaged one is caught here: a bad header
+    or a failed gzip check, never a base with files quietly missing. `dest`
+    is a scratch folder that callers discard when this fails.
+    """
     try:
-        with tarfile.open(sdist) as archive:
+        with gzip.open(sdist) as stream, tarfile.open(fileobj=stream, mode="r:") as archive:
             members = [m for m in release_members(archive, sdist.name)
                        if PurePosixPath(m.name).parts[0] not in _SKIP_FROM_RELEASE]
             archive.extractall(dest, members=members, filter="data")
+            _read_to_the_end(archive, stream)  # after: only a forward seek
+    except tarfile.FilterError as e:
+        raise StackError(f"{sdist.name}: {e}; refusing to unpack")
+    except (tarfile.ReadError, tarfile.HeaderError, gzip.BadGzipFile, EOFError,
+            zlib.error) as e:
+        raise StackError(
+            f"{sdist.name} is damaged: it does not unpack completely ({e}). It matches "
+            "the sha256 it was checked against, so the published file itself is bad: "
+            "check pin.toml (or the index) before going on.")
     except (tarfile.TarError, OSError) as e:
         raise StackError(f"{sdist.name}: cannot unpack: {e}")
     if not (dest / "vllm").is_dir():
         raise StackError(f"{sdist.name}: no vllm/ package in its top folder")
     return max((int(m.mtime) for m in members), default=0)
+
+
+def _read_to_the_end(archive: tarfile.TarFile, stream: gzip.GzipFile) -> None:
+    """After the last member only end-of-archive zeros may follow, up to a gzip end
+    whose checksum and length match. tarfile stops quietly at a damaged header and
+    never reads the gzip trailer, so both are checked here."""
+    stream.seek(archive.offset)
+    while chunk := stream.read(1 << 20):
+        if chunk.count(0) != len(chunk):
+            raise tarfile.ReadError(f"a damaged member header at byte {archive.offset} "
+                                    "of the tar stream")
 
 
 def create_base(layout: Layout, pin: Pin, sdist: Path, dest: Path | None = None) -> None:
@@ -149,15 +249,19 @@ def create_base(layout: Layout, pin: Pin, sdist: Path, dest: Path | None = None)
                     base_commit=commit, status="base")
         # Only a complete repository ever appears at build/vllm.
         if dest.exists():
-            shutil.rmtree(dest)  # callers pass only trees proven safe to replace
+            discard(dest)  # callers pass only scratch repositories (check/drift bases)
         os.replace(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
 
 
-def import_release(layout: Layout, pin: Pin, sdist: Path, parent: str) -> str:
-    """Commit another release into build/vllm as a child of `parent`; tag it."""
+def import_release(layout: Layout, pin: Pin, sdist: Path, parent: str | None) -> str:
+    """Commit another release into build/vllm (as a child of `parent`); tag it.
+
+    With no parent the commit is the same as `create_base` makes: the same
+    inputs give the same commit id, whichever way the base was built.
+    """
     tree = layout.tree
     tmp = Path(tempfile.mkdtemp(prefix=".vllm-unpacking-", dir=layout.build_dir))
     fd, index = tempfile.mkstemp(prefix="k3-release-index-")
@@ -202,6 +306,19 @@ def head(tree: Path) -> str:
 
 def am_in_progress(tree: Path) -> bool:
     return (tree / ".git" / "rebase-apply").exists()
+
+
+def remove_stale_git_locks(tree: Path) -> list[str]:
+    """Remove the lock files a killed git left in build/vllm; return their names.
+
+    Only for a git the tooling started and that was killed: callers hold the
+    project lock and have the state file's word that its own git was running.
+    """
+    git_dir = tree / ".git"
+    stale = [*git_dir.glob("*.lock"), *(git_dir / "refs").rglob("*.lock")]
+    for path in stale:
+        path.unlink()
+    return [path.relative_to(tree).as_posix() for path in stale]
 
 
 def dirty_files(tree: Path) -> list[str]:

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from scripts.common import Layout, StackError, rel, run, say
+from scripts.common import Layout, StackError, rel, say
 from scripts.gitrepo import git, read_state
 from scripts.pin import Pin
 
@@ -50,8 +50,7 @@ def stack_changes(tree: Path, base: str, result: str) -> dict[str, bytes | None]
 
 
 def _blob(tree: Path, rev: str, path: str) -> bytes:
-    return run(["git", "-C", str(tree), "cat-file", "blob", f"{rev}:{path}"],
-               text=False).stdout
+    return git(tree, "cat-file", "blob", f"{rev}:{path}", text=False).stdout
 
 
 def render(tree: Path, pin: Pin, base: str, result: str,
@@ -116,19 +115,35 @@ def regenerate(layout: Layout, pin: Pin, patch_names: list[str]) -> None:
 # --- installing the overlay -------------------------------------------------
 
 
+_REGENERATE = "regenerate the overlay with `make apply` (or use it as `make apply` wrote it)"
+
+
 def load_manifest(overlay_dir: Path) -> dict:
     path = overlay_dir / MANIFEST
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise StackError(f"{path}: no manifest; is this a vllm_overlay/ folder?")
-    except json.JSONDecodeError as e:
-        raise StackError(f"{path}: not valid JSON: {e}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StackError(f"{path}: not valid JSON: {e}; {_REGENERATE}")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", []), list):
+        raise StackError(f"{path}: not an overlay manifest (an object with a list of "
+                         f"files); {_REGENERATE}")
     return manifest
 
 
+def _entry(manifest_path: Path, n: int, raw) -> Entry:
+    fields = Entry.__dataclass_fields__.keys()
+    if (not isinstance(raw, dict) or raw.keys() != fields
+            or not all(isinstance(value, str) for value in raw.values())):
+        raise StackError(f"{manifest_path}: files[{n}] is not an entry with the string "
+                         f"fields {', '.join(fields)} (found {raw!r}); {_REGENERATE}")
+    return Entry(**raw)
+
+
 def _entries(overlay_dir: Path, manifest: dict) -> list[Entry]:
-    entries = [Entry(**e) for e in manifest.get("files", [])]
+    entries = [_entry(overlay_dir / MANIFEST, n, e)
+               for n, e in enumerate(manifest.get("files", []))]
     listed = set()
     for e in entries:
         parts = PurePosixPath(e.path).parts
@@ -216,23 +231,103 @@ def install(overlay_dir: Path, target: Path, dry_run: bool = False) -> None:
     if dry_run:
         say(f"overlay: would install {len(todo)} file(s); {len(done)} already in place")
         return
-    for e in todo:
-        _install_one(overlay_dir, target, e)
+    _Install(overlay_dir, target).run(todo)
     say(f"overlay: installed {len(todo)} file(s) into {target}"
         + (f"; {len(done)} were already in place" if done else ""))
 
 
-def _install_one(overlay_dir: Path, target: Path, e: Entry) -> None:
-    dest = target / e.path
-    if e.patched_sha256 == DELETED:
-        dest.unlink()
-        return
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write((overlay_dir / e.path).read_bytes())
-    if dest.exists():
-        shutil.copymode(dest, tmp)
-    else:
-        os.chmod(tmp, 0o644)
-    os.replace(tmp, dest)
+class _Install:
+    """Write every overlay file or none.
+
+    Each new file is first written in full next to its target (the step that
+    fails on a full disk), then all are swapped in by renames, the replaced
+    files kept aside until the end. On any error the target is put back
+    exactly as it was: swapped files restored, staged files and new folders
+    removed.
+    """
+
+    def __init__(self, overlay_dir: Path, target: Path) -> None:
+        self.overlay_dir, self.target = overlay_dir, target
+        self.made_dirs: list[Path] = []
+        self.staged: dict[Path, Path | None] = {}  # destination -> new file (None: delete)
+        self.swapped: list[tuple[Path, Path | None]] = []  # destination, what it replaced
+
+    def run(self, entries: list[Entry]) -> None:
+        current = None
+        try:
+            for e in entries:
+                current = e.path
+                self._stage(e)
+            for dest, new in self.staged.items():
+                current = dest.relative_to(self.target).as_posix()
+                self._swap(dest, new)
+        except BaseException as e:  # an interrupt too: never leave half an overlay
+            trouble = self._roll_back()
+            if not isinstance(e, OSError):
+                raise
+            raise StackError(
+                f"{self.target}: cannot write {current} ({e.strerror or e}); "
+                + ("the target was left as it was, nothing installed. Fix that (disk space, "
+                   "permissions) and run the command again." if not trouble else
+                   f"and putting the target back failed too: {trouble}"))
+        for _, replaced in self.swapped:
+            if replaced:
+                replaced.unlink()
+
+    def _stage(self, e: Entry) -> None:
+        dest = self.target / e.path
+        if e.patched_sha256 == DELETED:
+            self.staged[dest] = None
+            return
+        self._make_folders(dest.parent)
+        new = _sibling(dest, "new")
+        self.staged[dest] = new
+        new.write_bytes((self.overlay_dir / e.path).read_bytes())
+        if dest.exists():
+            shutil.copymode(dest, new)
+        else:
+            os.chmod(new, 0o644)
+
+    def _swap(self, dest: Path, new: Path | None) -> None:
+        replaced = None
+        if dest.exists():
+            replaced = _sibling(dest, "old")
+            os.replace(dest, replaced)
+        self.swapped.append((dest, replaced))
+        if new is not None:
+            os.replace(new, dest)
+
+    def _make_folders(self, folder: Path) -> None:
+        missing = []
+        while not folder.exists():
+            missing.append(folder)
+            folder = folder.parent
+        for path in reversed(missing):
+            path.mkdir()
+            self.made_dirs.append(path)
+
+    def _roll_back(self) -> str:
+        """Put the target back as it was; return what could not be (empty if all went well)."""
+        trouble = []
+        for dest, replaced in reversed(self.swapped):
+            try:
+                if replaced:
+                    os.replace(replaced, dest)
+                elif dest.exists():
+                    dest.unlink()
+            except OSError as e:
+                trouble.append(f"{dest} (the original is {replaced}): {e.strerror}")
+        for new in self.staged.values():
+            if new:
+                new.unlink(missing_ok=True)
+        for path in reversed(self.made_dirs):
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+        return "; ".join(trouble)
+
+
+def _sibling(dest: Path, role: str) -> Path:
+    """A new, empty hidden file next to `dest` (same file system: renames are atomic)."""
+    fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=f".k3-{role}", dir=dest.parent)
+    os.close(fd)
+    return Path(name)

@@ -10,6 +10,9 @@ from pathlib import Path
 from scripts.common import StackError
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# A public PEP 440 version as vLLM publishes them: 0.33.0, 0.34.0rc1, 0.10.1.post1.
+_VERSION = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?")
+_FIX = "fix pin.toml (`git diff pin.toml` shows what changed)"
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,14 @@ class Pin:
         return "vllm"
 
 
+def check_version(version: str, where: str, next_step: str) -> str:
+    """`version` if it is a release version; it becomes part of file names and URLs."""
+    if not _VERSION.fullmatch(version):
+        raise StackError(f"{where}: {version!r} is not a vLLM version (like 0.33.0 or "
+                         f"0.34.0rc1); {next_step}")
+    return version
+
+
 def load_pin(path: Path) -> Pin:
     try:
         with open(path, "rb") as f:
@@ -39,24 +50,49 @@ def load_pin(path: Path) -> Pin:
     except FileNotFoundError:
         raise StackError(f"{path}: pin file missing (it names the vLLM release)")
     except tomllib.TOMLDecodeError as e:
-        raise StackError(f"{path}: not valid TOML: {e}")
-    try:
-        vllm = data["vllm"]
-        arts = {k: _artifact(path, k, data["artifacts"][k]) for k in ("sdist", "wheel")}
-        pin = Pin(vllm["version"], vllm["commit"], vllm["base_tag"], **arts)
-    except KeyError as e:
-        raise StackError(f"{path}: missing key {e}")
+        raise StackError(f"{path}: not valid TOML: {e}; {_FIX}")
+    fields = _Fields(path, data)
+    version = check_version(fields.text("vllm", "version"), f"{path}: vllm.version", _FIX)
+    pin = Pin(version, fields.text("vllm", "commit"), fields.text("vllm", "base_tag"),
+              sdist=_artifact(fields, "sdist"), wheel=_artifact(fields, "wheel"))
     if pin.version not in pin.sdist.filename or pin.version not in pin.wheel.filename:
-        raise StackError(f"{path}: artifact file names do not match version {pin.version}")
+        raise StackError(f"{path}: artifact file names do not match version {pin.version}; "
+                         f"{_FIX}")
     return pin
 
 
-def _artifact(path: Path, kind: str, table: dict) -> Artifact:
-    art = Artifact(str(table["filename"]), int(table["size"]), str(table["sha256"]).lower())
+class _Fields:
+    """Typed access to pin.toml: a missing or mistyped value is one clear error."""
+
+    def __init__(self, path: Path, data: dict) -> None:
+        self.path, self.data = path, data
+
+    def _value(self, table: str, key: str, kind: type, kind_name: str):
+        node = self.data
+        for part in (*table.split("."), key):
+            node = node.get(part) if isinstance(node, dict) else None
+            if node is None:
+                raise StackError(f"{self.path}: missing {table}.{key}; {_FIX}")
+        if not isinstance(node, kind) or isinstance(node, bool):
+            raise StackError(f"{self.path}: {table}.{key} must be {kind_name}, not "
+                             f"{node!r}; {_FIX}")
+        return node
+
+    def text(self, table: str, key: str) -> str:
+        return self._value(table, key, str, "a string")
+
+    def number(self, table: str, key: str) -> int:
+        return self._value(table, key, int, "an integer")
+
+
+def _artifact(fields: _Fields, kind: str) -> Artifact:
+    table = f"artifacts.{kind}"
+    art = Artifact(fields.text(table, "filename"), fields.number(table, "size"),
+                   fields.text(table, "sha256").lower())
     if not _SHA256.match(art.sha256):
-        raise StackError(f"{path}: artifacts.{kind}.sha256 is not a sha256 hex digest")
+        raise StackError(f"{fields.path}: {table}.sha256 is not a sha256 hex digest; {_FIX}")
     if "/" in art.filename or art.filename.startswith("."):
-        raise StackError(f"{path}: artifacts.{kind}.filename must be a plain file name")
+        raise StackError(f"{fields.path}: {table}.filename must be a plain file name; {_FIX}")
     return art
 
 

@@ -14,7 +14,7 @@ import re
 
 from scripts import stack
 from scripts.common import Layout, StackError, rel, say
-from scripts.fetch import ensure_artifact, find_in_index
+from scripts.fetch import IndexUnreachable, ensure_artifact, find_in_index, index_needed
 from scripts.gitrepo import (
     BRANCH,
     TOOL_IDENTITY,
@@ -26,17 +26,21 @@ from scripts.gitrepo import (
     is_stack_repo,
     read_state,
     release_commit_id,
+    remove_stale_git_locks,
     write_state,
 )
-from scripts.pin import Artifact, Pin, load_pin, render_pin
+from scripts.pin import Artifact, Pin, check_version, load_pin, render_pin
 from scripts.series import read_series
 
 _AM_3WAY = [*stack.AM, "--3way"]
+# A new release's files may be at most this many times the size of the pinned
+# ones: their size comes from the index, which must not be able to fill the disk.
+_MAX_GROWTH = 4
 
 
 def rebase(layout: Layout, version: str) -> None:
-    if not re.fullmatch(r"[0-9][0-9A-Za-z.+-]*", version):
-        raise StackError(f"{version!r} is not a vLLM version")
+    check_version(version, "VLLM_VERSION", "give a release, as in "
+                  "`make rebase VLLM_VERSION=0.34.0`")
     tree = layout.tree
     if not is_stack_repo(tree):
         raise StackError(f"{rel(tree, layout)} does not exist; run `make apply` first")
@@ -80,10 +84,19 @@ def pin_for(old: Pin, version: str) -> Pin:
     """The pin of `version`: same artifact kinds, sizes and hashes from the index."""
     def artifact(old_art: Artifact) -> Artifact:
         filename = old_art.filename.replace(old.version, version)
-        found = find_in_index(old.project, filename)
+        try:
+            found = find_in_index(old.project, filename)
+        except IndexUnreachable as e:
+            raise index_needed(f"look up vLLM {version}'s files and their sha256", e)
         if not (found.sha256 and found.size):
             raise StackError(f"the index gives no size/sha256 for {filename}; "
                              "write the new pin.toml by hand and run `make apply`")
+        if found.size > _MAX_GROWTH * old_art.size:
+            raise StackError(
+                f"the index lists {filename} at {found.size / 1e6:.1f} MB, more than "
+                f"{_MAX_GROWTH} times larger than the pinned {old_art.filename} "
+                f"({old_art.size / 1e6:.1f} MB); refusing to download it. If that size is "
+                "right, write the new pin.toml by hand and run `make apply`.")
         return Artifact(filename, found.size, found.sha256)
 
     return Pin(version, "unknown", f"vllm-{version}", artifact(old.sdist), artifact(old.wheel))
@@ -92,6 +105,9 @@ def pin_for(old: Pin, version: str) -> Pin:
 def _resume(layout: Layout, progress: dict) -> None:
     """Go on after a stop: finish the resolved `git am`, or note a skipped patch."""
     tree = layout.tree
+    if progress.get("am_running"):
+        _undo_killed_am(layout, progress)
+        return
     if am_in_progress(tree):
         result = git(tree, "am", "--continue", env=TOOL_IDENTITY, check=False)
         if result.returncode != 0:
@@ -109,13 +125,29 @@ def _resume(layout: Layout, progress: dict) -> None:
     write_state(tree, rebase=progress)
 
 
+def _undo_killed_am(layout: Layout, progress: dict) -> None:
+    """The last `make rebase` was killed inside its own `git am` (the state says
+    it was running): remove the locks it left, undo that am, apply the patch again."""
+    tree = layout.tree
+    removed = remove_stale_git_locks(tree)
+    if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
+        git(tree, "am", "--quit")  # killed before its state was complete
+    progress["am_running"] = False
+    write_state(tree, rebase=progress)
+    say(f"  the last `make rebase` was killed while applying "
+        f"{progress['patches'][progress['next']]}; undid that"
+        + (f" (removed {', '.join(removed)})" if removed else "") + ", applying it again")
+
+
 def _apply_remaining(layout: Layout, progress: dict) -> None:
     tree = layout.tree
     names = progress["patches"]
     while progress["next"] < len(names):
         name = names[progress["next"]]
         patch = layout.patches_dir / name
+        write_state(tree, rebase={**progress, "am_running": True})
         result = git(tree, *_AM_3WAY, str(patch.resolve()), env=TOOL_IDENTITY, check=False)
+        write_state(tree, rebase=progress)
         output = result.stdout + result.stderr
         if result.returncode != 0:
             _stop(layout, progress, output)
@@ -139,7 +171,7 @@ def _stop(layout: Layout, progress: dict, output: str) -> None:
         files = conflicted or sorted(set(re.findall(r"(?:patch failed|conflict in) ?:? ?([^\s:]+)",
                                                     output, re.I)))
         what = (f"{name} conflicts with vLLM {version} in: {', '.join(files) or '(see below)'}"
-                f"\n{output.strip()}\nResolve the files in {where}, then "
+                f"\n{stack.git_advice_removed(output)}\nResolve the files in {where}, then "
                 f"`git -C {where} add <files>`")
     raise StackError(
         f"{what}; then run `make rebase VLLM_VERSION={version}` again to go on.\n"

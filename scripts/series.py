@@ -5,11 +5,14 @@ from __future__ import annotations
 import email
 import email.policy
 import hashlib
+import os
 import re
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from scripts.common import FORBIDDEN_PATHS, Layout, StackError, rel
+from scripts.gitrepo import git
 
 SERIES_HEADER = """\
 # The patch stack, in the order it is applied to the pinned vLLM release.
@@ -20,6 +23,14 @@ TITLE_RE = re.compile(r"^(\[[^][]+\])+ +[^\s].*$")
 _DIFF_PATH_RE = re.compile(r"^diff --git a/(.+) b/(.+)$")
 _PATH_LINE_RE = re.compile(r"^(?:rename|copy) (?:from|to) (.+)$")
 _MIN_RATIONALE_WORDS = 15
+# What a patch may leave in the tree: regular files, executable or not.
+_REGULAR_MODES = {"100644", "100755"}
+_SPECIAL_MODES = {"120000": "symlink", "160000": "submodule (gitlink)"}
+# Files in patches/ that are not patches.
+NOT_PATCHES = {"series", "README.md"}
+# Per-patch PR notes (long rationale, claims, hardware test plan) that
+# `make export` folds into each PR description: patches/notes/<patch stem>.md.
+NOTES_DIR = "notes"
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,26 @@ def read_series(layout: Layout) -> list[Patch]:
     return [Patch(layout.patches_dir / n) for n in names]
 
 
+def unlisted_files(layout: Layout, patches: list[Patch]) -> list[Path]:
+    """Files in patches/ that the series does not name (README.md, series and
+    notes/ aside)."""
+    listed = {p.name for p in patches} | NOT_PATCHES | {NOTES_DIR}
+    return [p for p in sorted(layout.patches_dir.iterdir()) if p.name not in listed]
+
+
+def stray_notes(layout: Layout, patches: list[Patch]) -> list[Path]:
+    """Entries of patches/notes/ that are not `<stem of a listed patch>.md`."""
+    notes = layout.patches_dir / NOTES_DIR
+    if not notes.exists() and not notes.is_symlink():
+        return []
+    if notes.is_symlink() or not notes.is_dir():
+        return [notes]
+    stems = {Path(p.name).stem for p in patches}
+    return [path for path in sorted(notes.iterdir())
+            if path.suffix != ".md" or path.stem not in stems
+            or path.is_symlink() or not path.is_file()]
+
+
 def series_digest(patches: list[Patch]) -> str:
     digest = hashlib.sha256()
     for p in patches:
@@ -85,7 +116,11 @@ def touched_paths(patch_text: str) -> list[str]:
 
 
 def check_patch_paths(patch: Patch) -> None:
-    """Refuse paths outside the tree, into .git, symlinks and the kernel sources."""
+    """Refuse paths outside the tree, into .git and the kernel sources.
+
+    (What a patch creates, a symlink say, is judged by `apply_to_index` from
+    what git makes of it.)
+    """
     text = patch.read().decode("utf-8", "replace")
     if re.search(r'^(?:diff --git .*"|--- "|\+\+\+ "|(?:rename|copy) (?:from|to) ")',
                  text, re.M):
@@ -101,8 +136,58 @@ def check_patch_paths(patch: Patch) -> None:
             raise StackError(
                 f"{patch.name}: touches {path}, which the prebuilt kernels of the "
                 "pinned wheel are built from; patches must not change it")
-    if re.search(r"^(?:new file |new |old )?mode 120000$", text, re.M):
-        raise StackError(f"{patch.name}: adds or changes a symlink; patches must not")
+
+
+@dataclass
+class IndexApply:
+    """The series applied to a release in a scratch index (nothing else is touched)."""
+
+    tree: str | None = None  # the resulting tree, when every patch applied
+    failure: str | None = None  # why the first patch that does not apply fails
+    special: list[str] = field(default_factory=list)  # symlinks, submodules made
+
+
+def apply_to_index(repo: Path, base: str, patches: list[Patch]) -> IndexApply:
+    """Apply `patches` strictly, in order, to `base` of `repo` in a scratch index.
+
+    What each patch creates is read from the tree git builds, not from the
+    patch text: git accepts many spellings of a mode (`0120000`, `120644`),
+    and what it writes is what counts.
+    """
+    fd, index = tempfile.mkstemp(prefix="k3-scratch-index-")
+    os.close(fd)
+    env = {"GIT_INDEX_FILE": index}
+    result = IndexApply()
+    try:
+        git(repo, "read-tree", base, env=env)
+        tree = git(repo, "write-tree", env=env).stdout.strip()
+        for p in patches:
+            applied = git(repo, "apply", "--cached", "--whitespace=nowarn",
+                          str(p.path.resolve()), env=env, check=False)
+            if applied.returncode != 0:
+                result.failure = (f"{p.name} does not apply strictly to {base} after the "
+                                  f"patches before it:\n{applied.stderr.strip()}")
+                return result
+            after = git(repo, "write-tree", env=env).stdout.strip()
+            result.special += _special_files(repo, p, tree, after)
+            tree = after
+        result.tree = tree
+        return result
+    finally:
+        os.unlink(index)
+
+
+def _special_files(repo: Path, patch: Patch, before: str, after: str) -> list[str]:
+    # -z: ":<old mode> <new mode> <old id> <new id> <status>" NUL "<path>" NUL ...
+    fields = git(repo, "diff-tree", "-r", "-z", "--no-renames", before, after).stdout.split("\0")
+    problems = []
+    for meta, path in zip(fields[0::2], fields[1::2]):
+        mode = meta.split()[1]
+        if mode != "000000" and mode not in _REGULAR_MODES:
+            kind = _SPECIAL_MODES.get(mode, f"mode {mode} entry")
+            problems.append(f"{patch.name}: creates {path} as a {kind}; patches may only "
+                            "add, change or delete regular files")
+    return problems
 
 
 @dataclass(frozen=True)

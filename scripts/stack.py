@@ -9,10 +9,9 @@ ever thrown away: the tooling refuses and says how to save or discard it.
 from __future__ import annotations
 
 import re
-import shutil
 
 from scripts import overlay
-from scripts.common import Layout, StackError, rel, run, say
+from scripts.common import Layout, StackError, rel, say, warn
 from scripts.fetch import ensure_artifact
 from scripts.gitrepo import (
     BRANCH,
@@ -24,16 +23,20 @@ from scripts.gitrepo import (
     git,
     has_merges,
     head,
+    import_release,
     is_stack_repo,
     read_state,
+    remove_stale_git_locks,
     write_state,
 )
 from scripts.pin import Pin, load_pin
 from scripts.series import (
     Patch,
+    apply_to_index,
     check_patch_paths,
     read_series,
     series_digest,
+    unlisted_files,
     write_series,
 )
 
@@ -46,8 +49,15 @@ AM = ["am", "--keep-non-patch", "--whitespace=nowarn", "--committer-date-is-auth
 
 
 def render_commit(layout: Layout, commit: str) -> bytes:
-    return run(["git", "-C", str(layout.tree), *FORMAT_PATCH, "-1", commit],
-               text=False).stdout
+    return git(layout.tree, *FORMAT_PATCH, "-1", commit, text=False).stdout
+
+
+def git_advice_removed(output: str) -> str:
+    """git's output without its advice (`git am --continue` and the like): the
+    tooling says itself what to do next, and has often done it already."""
+    advice = re.compile(r"^(hint: |When you have resolved|If you prefer to skip|"
+                        r"To restore the original branch)")
+    return "\n".join(line for line in output.strip().splitlines() if not advice.match(line))
 
 
 def patch_name(subject: str) -> str:
@@ -68,19 +78,38 @@ def unexported_commits(layout: Layout, base: str) -> list[str]:
             if render_commit(layout, c) not in exported]
 
 
+def recover_interrupted_apply(layout: Layout) -> None:
+    """Undo what a killed `make apply` left: git's lock files and its `git am`.
+
+    The state file says "applying" only while apply runs, and the project lock
+    says no apply runs now: that git was ours, and the patch it stopped at
+    came from patches/.
+    """
+    tree = layout.tree
+    if read_state(tree).get("status") != "applying":
+        return
+    if removed := remove_stale_git_locks(tree):
+        say(f"removed {', '.join(removed)} from {rel(tree, layout)}: left by a `make apply` "
+            "that was killed")
+    if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
+        git(tree, "am", "--quit")  # killed before its state was complete
+
+
+def uncommitted_advice(where: str) -> str:
+    return (f"To keep them: commit them there (`git -C {where} add -A && git -C {where} "
+            f"commit`; `add -A` takes new files too) and run `make patches`.")
+
+
 def guard_tree(layout: Layout, action: str) -> None:
     """Refuse when build/vllm holds work that `action` would lose."""
     tree, where = layout.tree, rel(layout.tree, layout)
+    recover_interrupted_apply(layout)
     state = read_state(tree)
     if am_in_progress(tree):
-        if state.get("status") == "applying":
-            # Our own interrupted apply: the stopped patch came from patches/.
-            git(tree, "am", "--abort")
-        else:
-            raise StackError(
-                f"a `git am` is in progress in {where} (a rebase or an edit by hand). "
-                f"Finish it (`git -C {where} am --continue`, then `make patches`) or "
-                f"abort it (`git -C {where} am --abort`) before {action}.")
+        raise StackError(
+            f"a `git am` is in progress in {where} (a rebase or an edit by hand). "
+            f"Finish it (`git -C {where} am --continue`, then `make patches`) or "
+            f"abort it (`git -C {where} am --abort`) before {action}.")
     branch = git(tree, "symbolic-ref", "-q", "--short", "HEAD", check=False).stdout.strip()
     if branch != BRANCH:
         raise StackError(f"{where} is not on branch {BRANCH!r} (on {branch or 'a detached HEAD'}); "
@@ -89,22 +118,24 @@ def guard_tree(layout: Layout, action: str) -> None:
         shown = "\n  ".join(dirty[:10]) + ("\n  ..." if len(dirty) > 10 else "")
         raise StackError(
             f"{where} has uncommitted changes:\n  {shown}\n"
-            f"To keep them: commit them there (`git -C {where} commit -a`) and run "
-            f"`make patches`. To drop them: `git -C {where} stash -u` (recoverable). "
-            f"Then run {action} again.")
+            + uncommitted_advice(where)
+            + f" To set them aside: `git -C {where} stash -u` (`make clean` keeps "
+            f"stashes). Then run {action} again.")
     base = state.get("base_tag")
     if base and has_merges(tree, base):
         raise StackError(f"{where} has merge commits on {BRANCH}; the stack must be linear")
-    # Untouched since the last apply or export: every commit is in the project's
-    # history of patches/, even if patches/ has moved on since (a pull).
+    # Untouched since the last apply or export: every commit was in patches/,
+    # even if patches/ has moved on since (a pull). Applying the new series
+    # deletes nothing: the old commits stay in the reflog, and `make clean`
+    # keeps any that no saved patch holds.
     untouched = state.get("status") == "applied" and state.get("applied_head") == head(tree)
     if base and not untouched and (lost := unexported_commits(layout, base)):
         subjects = [git(tree, "log", "-1", "--format=%h %s", c).stdout.strip() for c in lost]
         raise StackError(
             f"{where} has commits that are not exported to patches/:\n  "
             + "\n  ".join(subjects)
-            + f"\nRun `make patches` to export them, or save them elsewhere "
-            f"(`git -C {where} branch saved-work`) and reset with "
+            + f"\nRun `make patches` to export them, or keep them on a branch "
+            f"(`git -C {where} branch saved-work`; `make clean` keeps it) and reset with "
             f"`git -C {where} reset --hard {base}`; then run {action} again.")
 
 
@@ -116,6 +147,10 @@ def apply(layout: Layout) -> None:
     patches = read_series(layout)
     for p in patches:
         check_patch_paths(p)
+    for path in unlisted_files(layout, patches):
+        if path.suffix == ".patch":
+            warn(f"{rel(path, layout)} is not listed in patches/series, so it is not "
+                 "applied; add it to the series or remove it")
     tree = layout.tree
     if tree.exists() and not is_stack_repo(tree):
         raise StackError(f"{rel(tree, layout)} exists but was not made by this tooling; "
@@ -124,19 +159,40 @@ def apply(layout: Layout) -> None:
         guard_tree(layout, "`make apply`")
         state = read_state(tree)
         if state.get("base_sdist_sha256") != pin.sdist.sha256:
-            say(f"{rel(tree, layout)} holds another vLLM release; rebuilding it for {pin.version}")
-            shutil.rmtree(tree)  # safe: guard_tree proved everything in it is exported
+            _import_base(layout, pin)
         elif (state.get("status") == "applied"
               and state.get("applied_digest") == series_digest(patches)
               and state.get("applied_head") == head(tree)):
             say(f"{len(patches)} patch(es) already applied")
             _finish(layout, pin, patches)
             return
-    if not tree.exists():
+    else:
         sdist = ensure_artifact(layout, pin.project, pin.sdist)
         create_base(layout, pin, sdist)
+    _refuse_special_files(layout, pin, patches)
     _apply_series(layout, pin, patches)
     _finish(layout, pin, patches)
+
+
+def _import_base(layout: Layout, pin: Pin) -> None:
+    """After a pin change: the new release becomes the base in the same repository,
+    so its branches, stashes, worktrees and history stay where they are."""
+    tree = layout.tree
+    say(f"{rel(tree, layout)} holds another vLLM release; rebuilding it for {pin.version} "
+        "(its branches, stashes and history stay)")
+    sdist = ensure_artifact(layout, pin.project, pin.sdist)
+    commit = import_release(layout, pin, sdist, parent=None)
+    write_state(tree, base_sdist_sha256=pin.sdist.sha256, base_tag=pin.base_tag,
+                base_commit=commit, status="base")
+
+
+def _refuse_special_files(layout: Layout, pin: Pin, patches: list[Patch]) -> None:
+    """Before any `git am`: refuse a patch that git would turn into a symlink or a
+    submodule, judged from the tree git builds from it in a scratch index."""
+    result = apply_to_index(layout.tree, pin.base_tag, patches)
+    if result.special:
+        raise StackError("\n".join(result.special) + "\nNothing was applied; fix the patch "
+                         "in patches/ and run `make apply` again.")
 
 
 def _apply_series(layout: Layout, pin: Pin, patches: list[Patch]) -> None:
@@ -162,7 +218,7 @@ def _report_failed_patch(layout: Layout, patch: Patch, output: str) -> None:
     raise StackError(
         f"{patch.name} does not apply to vLLM {load_pin(layout.pin_file).version}"
         + (f"; failing file(s): {', '.join(files)}" if files else "")
-        + f"\n{output.strip()}\n"
+        + f"\n{git_advice_removed(output)}\n"
         f"The am was aborted; {rel(tree, layout)} holds the patches before it and "
         "the pristine base is intact. Fix or regenerate the patch (see README: "
         "'Edit a patch'), or after a vLLM bump use `make rebase`.")
@@ -215,6 +271,7 @@ def export(layout: Layout) -> None:
 
 def _guard_exportable(layout: Layout) -> None:
     tree, where = layout.tree, rel(layout.tree, layout)
+    recover_interrupted_apply(layout)
     if am_in_progress(tree):
         raise StackError(f"a `git am` is in progress in {where}; finish it "
                          f"(`git -C {where} am --continue`) or abort it first")
@@ -222,11 +279,15 @@ def _guard_exportable(layout: Layout) -> None:
     if branch != BRANCH:
         raise StackError(f"{where} is not on branch {BRANCH!r}; check it out first")
     if dirty := dirty_files(tree):
-        raise StackError(f"{where} has uncommitted changes ({', '.join(dirty[:5])}); "
-                         f"commit them (`git -C {where} commit`) so they can be exported")
+        raise StackError(f"{where} has uncommitted changes ({', '.join(dirty[:5])}). "
+                         + uncommitted_advice(where))
     state = read_state(tree)
     if has_merges(tree, state["base_tag"]):
         raise StackError(f"{where} has merge commits; the stack must be linear")
+    if state.get("status") in ("applying", "base"):
+        raise StackError(f"the last `make apply` did not finish, so {where} may hold only "
+                         "part of the series; exporting it would drop the rest from "
+                         "patches/. Run `make apply` first.")
     if state.get("status") == "failed":
         failed = state.get("failed_patch", "a patch")
         names = [p.name for p in read_series(layout)]

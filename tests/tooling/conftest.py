@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ RATIONALE = ("The ROCm kernels tile the work differently from the CUDA ones, so 
              "default block size overflows the shared memory budget on MI300 and the\n"
              "model falls back to a slow path; this keeps it on the fast one.")
 RELEASE_MTIME = 1_700_000_000
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
 
 FOO_V1 = """\
 # SPDX-License-Identifier: Apache-2.0
@@ -166,6 +168,7 @@ class Index:
     listed_sha256: dict[str, str | None] = field(default_factory=dict)  # override
     truncate: set[str] = field(default_factory=set)  # send half, then close
     chunked_cut: set[str] = field(default_factory=set)  # chunked, cut mid-way
+    stall: float = 0.0  # seconds to pause half-way through each file (downloads overlap)
     html: bool = False
     requests: list[str] = field(default_factory=list)
     port: int = 0
@@ -239,6 +242,11 @@ def _handler(index: Index):
                 self.wfile.flush()
                 self.close_connection = True
                 return
+            if index.stall:
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                time.sleep(index.stall)
+                data = data[len(data) // 2:]
             self.wfile.write(data)
 
     return Handler
@@ -325,6 +333,12 @@ class Project:
     def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """`python3 -m scripts <args>` from the repository, as `make` runs it."""
         return subprocess.run([PYTHON, "-m", "scripts", *map(str, args)], cwd=REPO,
+                              env=self.env(), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def make(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """`make <args>` in the repository, as a user types it."""
+        return subprocess.run(["make", "-s", "-C", str(REPO), f"PYTHON={PYTHON}", *args],
                               env=self.env(), capture_output=True, text=True,
                               timeout=timeout)
 

@@ -184,20 +184,3 @@ def test_a_cached_file_changed_after_verification_is_not_trusted(remote, index):
 def _closed_port() -> int:
     from tests.tooling.conftest import free_port
     return free_port()
-
-
-def test_quarantine_keeps_every_rejected_file(tmp_path, monkeypatch):
-    import time as time_module
-
-    from scripts.common import Layout
-    from scripts.fetch import _quarantine
-    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(time_module, "strftime", lambda *a: "20250101T000000")
-    layout = Layout(tmp_path)
-    downloads = tmp_path / "cache" / "downloads"
-    downloads.mkdir(parents=True)
-    for content in (b"first", b"second"):
-        (downloads / "vllm-0.1.0.tar.gz").write_bytes(content)
-        _quarantine(layout, downloads / "vllm-0.1.0.tar.gz")
-    kept = sorted(p.read_bytes() for p in (tmp_path / "cache" / "quarantine").iterdir())
-    assert kept == [b"first", b"second"]

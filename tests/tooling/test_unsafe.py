@@ -144,8 +144,10 @@ def test_apply_refuses_a_patch_adding_a_symlink(project):
     _series(project, "link.patch")
     result = project.run("apply")
     assert result.returncode == 1
-    assert "link.patch: adds or changes a symlink" in result.stderr
-    assert not (project.root / "build").exists()
+    assert "link.patch: creates vllm/link as a symlink" in result.stderr
+    # Refused before any `git am`: build/vllm holds only the pristine release.
+    assert not (project.tree / "vllm/link").is_symlink()
+    assert project.git("rev-list", "--count", "HEAD") == "1"
 
 
 def test_apply_refuses_a_bad_series_line(project):
