@@ -182,9 +182,11 @@ def _big_patch(proj) -> None:
 def _kill_inside_git_am(proj, *command: str) -> None:
     """Run `command` and SIGKILL it (and its git) while its `git am` holds index.lock."""
     git_dir = proj.tree / ".git"
+    # The command runs at the lowest priority, so that on a busy machine the
+    # poll below still sees its `git am` before it finishes.
     proc = subprocess.Popen([PYTHON, "-m", "scripts", *command], cwd=REPO, env=proj.env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: os.nice(19))
     deadline = time.monotonic() + 60
     while not ((git_dir / "rebase-apply").exists() and (git_dir / "index.lock").exists()):
         assert proc.poll() is None and time.monotonic() < deadline, "git am never started"
