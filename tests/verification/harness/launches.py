@@ -1,39 +1,46 @@
 """Count the device kernels a piece of code would launch, on CPU.
 
 ``LaunchCounter`` is a ``TorchDispatchMode``: every op that reaches PyTorch's
-dispatcher while it is active passes through it, after autograd and after
-composite ops were decomposed, i.e. the ops a device backend would execute.
-Each op is classified by these rules:
+dispatcher while it is active passes through it, below autograd, i.e. the ops
+a device backend would execute. The rules, per op:
 
-* **No launch**: ops that only make a new view of existing memory or read
-  metadata (every op whose schema returns an alias of an input, recognised
-  from the schema: ``view``, ``_unsafe_view``, ``_reshape_alias``, ``slice``,
-  ``select``, ``split``, ``unbind``, ``unsqueeze``, ``squeeze``, ``permute``,
-  ``expand``, ``t``, ``transpose``, ``as_strided``, ``alias``, ``detach``, ...);
-  allocations, which launch no kernel (``empty``, ``empty_like``,
-  ``empty_strided``, ``new_empty``, ``resize_``, ...); and a ``copy_`` whose
-  destination and source are the same memory with the same sizes, strides and
-  dtype (ATen's ``copy_`` returns before launching anything).
-* **One launch each**: everything else, including fills (``zeros``,
-  ``fill_``, ``zero_``), casts, ``clone``, ``arange``, a ``copy_`` between
-  different memory, ``aten::lift_fresh`` (``torch.tensor(host data)``: every
-  tensor of the emulation lives on "the device", so this is the
-  host-to-device copy) and ``aten::_local_scalar_dense`` (``.item()``, the
+* **Decomposed first**: an ATen op without a device kernel of its own (a
+  ``CompositeImplicitAutograd`` op such as ``to``, ``linear``, ``reshape``,
+  ``contiguous``, ``repeat_interleave(int)``) runs as its decomposition on
+  the device, so the counter decomposes it and classifies the parts. (Outside
+  ``torch.inference_mode`` autograd already did; inside it, such ops reach the
+  mode whole.) ``x.to(x.dtype)`` thus launches nothing, ``x.to(other)`` one
+  ``_to_copy``.
+* **No launch**: ops that only make a new view of existing memory (every op
+  whose schema returns a read-only alias of an input: ``view``,
+  ``_unsafe_view``, ``_reshape_alias``, ``slice``, ``select``, ``split``,
+  ``unbind``, ``unsqueeze``, ``squeeze``, ``permute``, ``expand``, ``t``,
+  ``transpose``, ``as_strided``, ``alias``, ``detach``, ...); allocations
+  (``empty``, ``empty_like``, ``empty_strided``, ``new_empty``, ``resize_``,
+  ...); in-place metadata changes (``detach_``, ``as_strided_``, ...) and
+  metadata queries (``NO_KERNEL``); and a ``copy_`` whose destination and
+  source are the same memory with the same sizes, strides and dtype (ATen's
+  ``copy_`` returns before launching anything).
+* **One launch each**: every other ATen op, including fills (``zeros``,
+  ``fill_``, ``zero_``), casts (``_to_copy``), ``clone``, ``arange``, a
+  ``copy_`` between different memory, ``lift_fresh`` (``torch.tensor(host
+  data)``: every tensor of the emulation lives on "the device", so this is
+  the host-to-device copy) and ``_local_scalar_dense`` (``.item()``, the
   device-to-host copy).
 * **Compiled custom ops** (vLLM's ``_C``, ``_C_cache_ops``, ``_rocm_C``, ...)
   are one launch each, under their own name. Their CPU bodies in the harness
-  are plain-torch reference kernels; those inner ops are not counted, because
-  PyTorch does not run a mode's handler under the mode itself (the handler
-  calls the op with the mode popped). The same holds for anything run under
-  ``opaque_launch``, which the harness uses for kernels that are not torch
-  ops (Triton kernels, the attention kernel).
-* **Python custom ops** (``wrapper_namespaces``, vLLM's ``torch.ops.vllm.*``
-  by default) are not kernels: they are Python functions registered as ops so
-  that ``torch.compile`` treats them as opaque. The counter does not count the
-  op itself but runs its CPU body with the mode active and counts what the
-  body launches.
+  are plain-torch reference kernels whose inner ops are not counted: PyTorch
+  runs a mode's handler with the mode popped, so the op the handler calls
+  runs unobserved. Anything run under ``opaque_launch`` is likewise one
+  launch; the harness uses it for kernels that are not torch ops (Triton
+  kernels, the attention kernel).
+* **Python custom ops** (``wrapper_namespaces``: vLLM's ``torch.ops.vllm.*``
+  and its IR ops ``torch.ops.vllm_ir.*``) are not kernels but Python
+  functions registered as ops so that ``torch.compile`` treats them as
+  opaque. The op itself is not counted; its body runs with the mode active
+  and what it launches is.
 
-Counts are per ``phase`` (a free-form label the caller sets, e.g. per layer).
+Counts are kept per ``phase``, a label the caller sets (e.g. per layer).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-# Non-view ops that allocate or read metadata and launch no kernel.
+# Non-view ops that allocate, change metadata in place or read it: no kernel.
 NO_KERNEL = frozenset(
     {
         "aten::empty",
@@ -57,6 +64,14 @@ NO_KERNEL = frozenset(
         "aten::new_empty_strided",
         "aten::resize_",
         "aten::set_",
+        "aten::detach_",
+        "aten::as_strided_",
+        "aten::squeeze_",
+        "aten::unsqueeze_",
+        "aten::transpose_",
+        "aten::t_",
+        "aten::swapdims_",
+        "aten::swapaxes_",
         "aten::sym_size",
         "aten::sym_stride",
         "aten::sym_numel",
@@ -89,15 +104,38 @@ def is_noop_copy(args) -> bool:
     )
 
 
-def launches(func, args) -> bool:
+def _storage(t) -> int | None:
+    if isinstance(t, (list, tuple)):
+        t = t[0] if t else None
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+
+
+def launches(func, args, out) -> bool:
     name = op_name(func)
     if name in VIEWS_THAT_LAUNCH:
         return True
-    if func.is_view or name in NO_KERNEL:
+    if func.is_view:
+        # A view op shares its input's memory; should one ever copy, count it.
+        return _storage(out) != _storage(args[0])
+    if name in NO_KERNEL:
         return False
     if name == "aten::copy_" and is_noop_copy(args):
         return False
     return True
+
+
+def decomposes(func) -> bool:
+    """An ATen op the device runs as its decomposition (it has no device
+    kernel of its own). Such ops reach a mode undecomposed only under
+    ``torch.inference_mode``; the counter decomposes them itself, so counts do
+    not depend on the autograd mode."""
+    name = func.name()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return (
+        func.namespace == "aten"
+        and has(name, "CompositeImplicitAutograd")
+        and not has(name, "CUDA")
+    )
 
 
 def body_key(func) -> torch._C.DispatchKey | None:
@@ -161,9 +199,13 @@ class LaunchCounter(TorchDispatchMode):
             # Run the Python body under this mode so its launches are seen.
             with self:
                 return func._op_dk(key, *args, **kwargs)
-        if launches(func, args):
+        if decomposes(func):
+            with self:
+                return func.decompose(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if launches(func, args, out):
             self.record(op_name(func))
-        return func(*args, **kwargs)
+        return out
 
 
 def active_counter() -> LaunchCounter | None:

@@ -343,16 +343,16 @@ def mla_decode_q_concat_kv_cache_insert(
         k_pe = rotate(k_pe, position_ids, cos_sin_cache, is_neox=False)
 
     def stored(x: torch.Tensor, scale_inv, dtype) -> torch.Tensor:
+        """``x`` as ``dtype`` holds it (fp8: e4m3 bytes, ``dtype`` may be uint8)."""
         if scale_inv is None:
             return x.to(dtype)
         y = (x * float(scale_inv.reshape(-1)[0])).clamp(-fp8_max, fp8_max)
-        return y.to(torch.float8_e4m3fn).view(torch.uint8)
+        return y.to(torch.float8_e4m3fn).view(dtype)
 
     q = torch.cat([ql_nope.float(), q_pe], dim=-1)
-    mqa_q.view(torch.uint8 if q_scale_inv is not None else mqa_q.dtype).copy_(
-        stored(q, q_scale_inv, mqa_q.dtype)
-    )
-    rows = stored(torch.cat([kv_c.float(), k_pe], dim=-1), cache_scale_inv, k_cache.dtype)
+    mqa_q.copy_(stored(q, q_scale_inv, mqa_q.dtype))
+    kv = torch.cat([kv_c.float(), k_pe], dim=-1)
+    rows = stored(kv, cache_scale_inv, k_cache.dtype)
     write_cache_entries(
         k_cache,
         rows,
