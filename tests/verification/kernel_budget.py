@@ -44,12 +44,12 @@ model``. What is counted, and where the count stops:
   graphs into one kernel;
 * the attention metadata is built by the model runner and is not counted.
 
-The draft is synthetic and tiny (``harness/drafter.py``; YaRN RoPE as in the
-released checkpoint); the counts do not depend on sizes. Only GPU kernels are
+The draft is synthetic and tiny (``harness/drafter.py``; YaRN RoPE, the
+configuration the review measured); the counts do not depend on sizes. Only GPU kernels are
 replaced (reference bodies in ``harness/ops.py``); everything else is vLLM's
 own code under the emulated platform (``harness/platform.py``).
 
-``python -m tests.verification.kernel_budget`` prints the table (markdown);
+``.venv/bin/python -m tests.verification.kernel_budget`` prints the table (markdown);
 ``--print-pins`` prints the ``PINS`` literal of ``test_kernel_budget.py``.
 """
 
@@ -226,22 +226,16 @@ def _decode_metadata(num_tokens: int, seq_len: int):
     )
 
 
-def measure(module: str, cache: str, mode: str) -> dict:
-    """Counts (and calling sites) per phase of one configuration."""
-    import torch
-
-    import vllm
+def _build(module: str, cache: str, mode: str):
+    """The draft as a worker would run it, with bound caches and embedding."""
     import vllm.ir
     from vllm.config import get_cached_compilation_config
-    from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         VocabParallelEmbedding,
     )
 
     from tests.verification.harness import drafter as D
-    from tests.verification.harness.launches import LaunchCounter
 
-    _install_stand_ins()
     # Custom-op dispatch reads a cached compilation config: the zygote's.
     get_cached_compilation_config.cache_clear()
     draft = D.build(
@@ -253,50 +247,71 @@ def measure(module: str, cache: str, mode: str) -> dict:
     )
     D.allocate_caches(draft)
     config = draft.vllm_config
-    cfg = draft.hf_config
     # What every worker does at start-up (v1/worker/worker_base.py).
     config.kernel_config.ir_op_priority.set_default()
     vllm.ir.set_default_torch_wrap(config.compilation_config.ir_enable_torch_wrap)
+    cfg = draft.hf_config
     with D.config_context(config):
         # The target's embedding, which the runner aliases into the draft.
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
     embed.weight.data.normal_()
     draft.model.model.embed_tokens = embed
+    return draft
 
-    states, positions = D.context_inputs(cfg, CONTEXT_TOKENS)
+
+def _attribute_layers(counter, layers) -> None:
+    """Count what each decoder layer launches under its phase."""
+    for i, layer in enumerate(layers):
+        phase = "first_layer" if i == 0 else "layer"
+        layer.register_forward_pre_hook(
+            lambda *_, phase=phase: setattr(counter, "phase", phase)
+        )
+        layer.register_forward_hook(lambda *_: setattr(counter, "phase", "model"))
+
+
+def measure(module: str, cache: str, mode: str) -> dict:
+    """Counts, calling sites and setup of one configuration, per phase."""
+    import torch
+
+    import vllm
+    from vllm.forward_context import set_forward_context
+
+    from tests.verification.harness import drafter as D
+    from tests.verification.harness.launches import LaunchCounter
+
+    _install_stand_ins()
+    draft = _build(module, cache, mode)
+    config = draft.vllm_config
+    states, positions = D.context_inputs(draft.hf_config, CONTEXT_TOKENS)
     context_slots = D.distinct_slots(CONTEXT_TOKENS, 96, 3)
     seq_len = CONTEXT_TOKENS + BLOCK_TOKENS
     block_ids = torch.arange(BLOCK_TOKENS)
     block_positions = torch.arange(CONTEXT_TOKENS, seq_len)
     block_slots = torch.arange(CONTEXT_TOKENS, seq_len, dtype=torch.int64)
     names = [owner.layer_name for owner in draft.cache_layers()]
-    metadata = {name: _decode_metadata(BLOCK_TOKENS, seq_len) for name in names}
 
     counter = LaunchCounter(sites_under=str(Path(vllm.__file__).parent) + "/")
-    for i, layer in enumerate(draft.layers):
-        phase = "first_layer" if i == 0 else "layer"
-        layer.register_forward_pre_hook(lambda *_, p=phase: _enter(counter, p))
-        layer.register_forward_hook(lambda *_: _enter(counter, "model"))
-
-    def context_kv():
-        draft.model.precompute_and_store_context_kv(states, positions, context_slots)
-
-    def forward():
-        draft.model(block_ids, block_positions)
-
+    _attribute_layers(counter, draft.layers)
+    steps = {
+        "context_kv": lambda: draft.model.precompute_and_store_context_kv(
+            states, positions, context_slots
+        ),
+        "model": lambda: draft.model(block_ids, block_positions),
+    }
     with (
         D.config_context(config),
         set_forward_context(
-            metadata, config, slot_mapping={name: block_slots for name in names}
+            {name: _decode_metadata(BLOCK_TOKENS, seq_len) for name in names},
+            config,
+            slot_mapping={name: block_slots for name in names},
         ),
         torch.inference_mode(),
     ):
-        for phase, step in (("context_kv", context_kv), ("model", forward)):
+        for phase, step in steps.items():
             step()  # steady state: one-time work happens here, uncounted
             counter.phase = phase
             with counter:
                 step()
-    owner = draft.cache_layers()[0]
     return {
         "counts": {p: dict(counter.counts.get(p, {})) for p in PHASES},
         "sites": {
@@ -304,15 +319,11 @@ def measure(module: str, cache: str, mode: str) -> dict:
             for p in PHASES
         },
         "setup": {
-            "attention": type(owner.impl).__name__,
+            "attention": type(draft.cache_layers()[0].impl).__name__,
             "custom_ops": ",".join(config.compilation_config.custom_ops),
             "rms_norm": ",".join(vllm.ir.ops.rms_norm.get_priority()),
         },
     }
-
-
-def _enter(counter, phase: str) -> None:
-    counter.phase = phase
 
 
 # --------------------------------------------------------------------------

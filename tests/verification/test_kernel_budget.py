@@ -4,7 +4,7 @@ Every configuration's launches, per phase and op, must equal ``PINS``, so any
 change in what a draft step launches fails here with the ops that changed.
 After an intended change, regenerate the pins with
 
-    python -m tests.verification.kernel_budget --print-pins
+    .venv/bin/python -m tests.verification.kernel_budget --print-pins
 
 and check the new table (``python -m tests.verification.kernel_budget``).
 The AMD module must launch no op more often than the baseline (0.33.0's
@@ -21,7 +21,7 @@ import torch
 from tests.verification import kernel_budget as kb
 from tests.verification.harness.launches import LaunchCounter, opaque_launch
 
-# Regenerate: python -m tests.verification.kernel_budget --print-pins
+# Regenerate: .venv/bin/python -m tests.verification.kernel_budget --print-pins
 PINS = {
     "baseline/bf16/compiled": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
@@ -203,7 +203,7 @@ def test_launches_match_pins(budget, config):
         f"{config.id} launches differ from the pins:\n  "
         + "\n  ".join(mismatches)
         + "\nIf intended, regenerate PINS: "
-        "python -m tests.verification.kernel_budget --print-pins"
+        ".venv/bin/python -m tests.verification.kernel_budget --print-pins"
     )
 
 
