@@ -319,6 +319,7 @@ def measure(module: str, cache: str, mode: str) -> dict:
             for p in PHASES
         },
         "setup": {
+            "vllm": str(Path(vllm.__file__).parent),
             "attention": type(draft.cache_layers()[0].impl).__name__,
             "custom_ops": ",".join(config.compilation_config.custom_ops),
             "rms_norm": ",".join(vllm.ir.ops.rms_norm.get_priority()),
@@ -347,10 +348,16 @@ def measure_all(patched: Zygote, pristine: Zygote) -> dict[str, dict]:
     work at the same time."""
 
     def run(zygote: Zygote, configs: list[Config]) -> dict[str, dict]:
-        return {
-            c.id: zygote.call(measure, module=c.module, cache=c.cache, mode=c.mode)
-            for c in configs
-        }
+        results = {}
+        for c in configs:
+            r = zygote.call(measure, module=c.module, cache=c.cache, mode=c.mode)
+            if zygote.vllm_tree and not r["setup"]["vllm"].startswith(zygote.vllm_tree):
+                raise RuntimeError(
+                    f"{c.id} ran vLLM from {r['setup']['vllm']}, not from "
+                    f"{zygote.vllm_tree}: an installed vLLM shadows PYTHONPATH"
+                )
+            results[c.id] = r
+        return results
 
     baseline = [c for c in CONFIGS if c.module == "baseline"]
     others = [c for c in CONFIGS if c.module != "baseline"]

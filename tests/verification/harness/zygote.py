@@ -73,6 +73,7 @@ class Zygote:
 
     def __init__(self, mode: str, vllm_tree: str | None = None) -> None:
         self.mode = mode
+        self.vllm_tree = vllm_tree
         self.log = tempfile.NamedTemporaryFile(
             prefix=f"k3-zygote-{mode}-", suffix=".log", delete=False
         )
