@@ -23,6 +23,7 @@ from scripts.common import Layout, StackError, say
 from scripts.fetch import ensure_artifact
 from scripts.pin import load_pin
 from scripts.series import read_series
+from scripts.venv import venv_python
 
 REPEATS = 3
 # The project files a scratch copy needs to apply, check and export the stack.
@@ -66,6 +67,24 @@ def bench(layout: Layout) -> None:
     say("")
     for name, value in sizes:
         say(f"  {name:<38}{value}")
+    _kernel_budget(layout)
+
+
+def _kernel_budget(layout: Layout) -> None:
+    """Print the kernel budget of one draft step (tests/verification/kernel_budget.py),
+    counted against the patched vLLM in .venv; a missing venv or a failure is reported,
+    never fatal: the figures are informational."""
+    python = venv_python(layout)
+    if not python.exists():
+        say("\n  kernel budget: skipped, .venv is missing (`make build` creates it)")
+        return
+    result = subprocess.run([str(python), "-m", "tests.verification.kernel_budget"],
+                            cwd=layout.root, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(layout.root)})
+    if result.returncode != 0:
+        say(f"\n  kernel budget: failed\n{(result.stderr or result.stdout).strip()[-3000:]}")
+        return
+    say("\n" + result.stdout.rstrip())
 
 
 def _copy_project(layout: Layout, scratch: Path) -> None:

@@ -7,8 +7,10 @@ tests can read any pristine file from git without unpacking the sdist again.
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
+import tarfile
 import tomllib
 from pathlib import Path
 
@@ -24,6 +26,28 @@ def pristine_git_dir() -> Path:
     return Path(os.environ.get("K3_PRISTINE_GIT_DIR", PROJECT_ROOT / "build" / "vllm"))
 
 
+def _unreadable(relpath: str, repo: Path, stderr: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"cannot read pristine {relpath} from {repo} at {base_tag()}: "
+        f"{stderr.strip()} (run `make apply` first)"
+    )
+
+
+def extract_pristine_package(dest: Path) -> Path:
+    """Write the pristine release's ``vllm/`` package under ``dest`` (a folder
+    to put first on ``PYTHONPATH``) and return ``dest``."""
+    repo = pristine_git_dir()
+    result = subprocess.run(
+        ["git", "-C", str(repo), "archive", "--format=tar", base_tag(), "vllm"],
+        capture_output=True,
+    )
+    if result.returncode != 0:
+        raise _unreadable("vllm/", repo, result.stderr.decode(errors="replace"))
+    with tarfile.open(fileobj=io.BytesIO(result.stdout)) as archive:
+        archive.extractall(dest, filter="data")
+    return dest
+
+
 def pristine_source(relpath: str) -> str:
     """Return the text of `relpath` (relative to the vLLM tree root) at the base tag."""
     repo = pristine_git_dir()
@@ -33,8 +57,5 @@ def pristine_source(relpath: str) -> str:
         text=True,
     )
     if result.returncode != 0:
-        raise FileNotFoundError(
-            f"cannot read pristine {relpath} from {repo} at {base_tag()}: "
-            f"{result.stderr.strip()} (run `make apply` first)"
-        )
+        raise _unreadable(relpath, repo, result.stderr)
     return result.stdout

@@ -14,6 +14,8 @@ def test_bench_prints_every_figure_and_leaves_the_project_alone(stacked):
         assert row in out
     assert out.count("within goal") + out.count("OVER GOAL") == 3
     assert "patches" in out and "2 files" in out
+    # The fake project has no .venv: the kernel budget is skipped, not fatal.
+    assert "kernel budget: skipped, .venv is missing" in out
     assert snapshot(stacked.root) == before
 
 

@@ -172,3 +172,30 @@ def test_rotary_embedding_writes_through_strided_views():
     assert q[..., :2].flatten().tolist() == [0.0, 1.0, 6.0, 7.0]
     assert q[0, 0, 2:].tolist() == [-3.0, 2.0, 2.0, 2.5]
     assert kv.flatten().tolist() == [0.0, 1.0, -3.0, 2.0, 2.0, 2.5]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mla_decode_epilogue_concats_ropes_and_inserts(fp8):
+    # kv_lora_rank 2, rope 2 (one interleaved pair); 1 token, 1 head.
+    cos_sin = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # position 1: rotate 90°
+    ql_nope = torch.tensor([[[1.0, 2.0]]], dtype=BF16)
+    q_pe = torch.tensor([[[3.0, 4.0]]], dtype=BF16)
+    kv_c = torch.tensor([[5.0, 6.0]], dtype=BF16)
+    k_pe = torch.tensor([[[7.0, 8.0]]], dtype=BF16)
+    f8 = torch.float8_e4m3fn
+    mqa_q = torch.zeros(1, 1, 4, dtype=f8 if fp8 else BF16)
+    cache = torch.zeros(2, 2, 4, dtype=torch.uint8 if fp8 else BF16)
+    scales = [torch.tensor([0.5]), torch.tensor([2.0])] if fp8 else [None, None]
+    R.mla_decode_q_concat_kv_cache_insert(
+        ql_nope, q_pe, kv_c, k_pe, mqa_q, cache, torch.tensor([3]), 2,
+        torch.tensor([1]), cos_sin, *scales, fp8_max=10.0,
+    )
+    # (x, y) at 90°: (-y, x). fp8: q * 0.5, cache * 2 saturated at 10.
+    want_q, want_row = [1.0, 2.0, -4.0, 3.0], [5.0, 6.0, -8.0, 7.0]
+    if fp8:
+        want_q = [0.5, 1.0, -2.0, 1.5]
+        want_row = [10.0, 10.0, -10.0, 10.0]
+    assert mqa_q.float().flatten().tolist() == want_q
+    row = cache[1, 1].view(f8) if fp8 else cache[1, 1]  # slot 3: block 1, entry 1
+    assert row.float().tolist() == want_row
+    assert not cache[0].float().any() and not cache[1, 0].float().any()

@@ -183,12 +183,26 @@ class _ConfigStub(SimpleNamespace):
         return None
 
 
-def make_vllm_config(hf_config, *, cache_dtype: str = "auto", block_size: int = 16):
-    from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
+def make_vllm_config(
+    hf_config, *, cache_dtype: str = "auto", block_size: int = 16, eager: bool = False
+):
+    """``eager``: as with ``--enforce-eager`` (no torch.compile, so vLLM's custom
+    ops and C++ kernels are on); otherwise vLLM's default compilation config."""
+    from vllm.config import (
+        CacheConfig,
+        CompilationConfig,
+        CompilationMode,
+        DeviceConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
     vllm_config = VllmConfig(
         device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
+        compilation_config=CompilationConfig(
+            mode=CompilationMode.NONE if eager else None
+        ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=64,
             max_num_seqs=4,
@@ -281,12 +295,13 @@ def build(
     seed: int = 0,
     cls=None,
     checkpoint_dir: str | None = None,
+    eager: bool = False,
 ) -> Draft:
     """Construct the drafter, write + load a synthetic checkpoint through the
     real ``load_weights`` / ``process_weights_after_loading``."""
     torch.set_default_dtype(torch.bfloat16)
     hf_config = make_hf_config(rope=rope, confidence=confidence, num_layers=num_layers)
-    vllm_config = make_vllm_config(hf_config, cache_dtype=cache_dtype)
+    vllm_config = make_vllm_config(hf_config, cache_dtype=cache_dtype, eager=eager)
     cls = cls or drafter_class()
     checkpoint_dir = checkpoint_dir or tempfile.mkdtemp(prefix="k3-dspark-ckpt-")
     tensors = write_checkpoint(hf_config, checkpoint_dir, seed)

@@ -22,7 +22,7 @@ REGISTRY = reference.LiveCacheRegistry()
 calls: Counter[str] = Counter()
 
 _LIBS: list[torch.library.Library] = []
-_STATE = {"rocm": False, "fp8_dtype": torch.float8_e4m3fn}
+_STATE = {"mode": "", "rocm": False, "fp8_dtype": torch.float8_e4m3fn}
 
 _SCHEMAS = {
     "_C": {
@@ -30,6 +30,9 @@ _SCHEMAS = {
         "fused_add_rms_norm": "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor? weight, float epsilon) -> ()",
         "rotary_embedding": "rotary_embedding(Tensor positions, Tensor! query, Tensor!? key, int head_size, Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False) -> ()",
         "silu_and_mul": "silu_and_mul(Tensor! result, Tensor input) -> ()",
+        # The NVIDIA K3 MLA decode epilogue (HIPified on ROCm).
+        "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert(Tensor ql_nope, Tensor q_pe, Tensor kv_c_normed, Tensor k_pe, Tensor! mqa_q, Tensor! k_cache, Tensor slot_mapping, int cache_block_size, Tensor? position_ids=None, Tensor? cos_sin_cache=None) -> ()",
+        "fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert": "fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert(Tensor ql_nope, Tensor q_pe, Tensor kv_c_normed, Tensor k_pe, Tensor! mqa_q, Tensor! k_cache, Tensor slot_mapping, Tensor q_scale_inv, Tensor cache_scale_inv, int cache_block_size, Tensor? position_ids=None, Tensor? cos_sin_cache=None) -> ()",
     },
     "_C_cache_ops": {
         "concat_and_cache_mla": "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor scale, bool skip_scale=False) -> ()",
@@ -66,6 +69,70 @@ def _rotary_embedding(
 def _silu_and_mul(result, input):
     calls["silu_and_mul"] += 1
     reference.silu_and_mul(result, input)
+
+
+def _fp8_max() -> float:
+    # The epilogue saturates at 224 on gfx942 (fnuz range), 448 elsewhere.
+    return 224.0 if _STATE["mode"] == "rocm-gfx942" else 448.0
+
+
+def _mla_decode_q_concat_kv_cache_insert(
+    ql_nope,
+    q_pe,
+    kv_c_normed,
+    k_pe,
+    mqa_q,
+    k_cache,
+    slot_mapping,
+    cache_block_size,
+    position_ids=None,
+    cos_sin_cache=None,
+):
+    calls["fused_kimi_k3_mla_decode_q_concat_kv_cache_insert"] += 1
+    reference.mla_decode_q_concat_kv_cache_insert(
+        ql_nope,
+        q_pe,
+        kv_c_normed,
+        k_pe,
+        mqa_q,
+        k_cache,
+        slot_mapping,
+        cache_block_size,
+        position_ids,
+        cos_sin_cache,
+    )
+
+
+def _mla_decode_q_concat_kv_cache_fp8_insert(
+    ql_nope,
+    q_pe,
+    kv_c_normed,
+    k_pe,
+    mqa_q,
+    k_cache,
+    slot_mapping,
+    q_scale_inv,
+    cache_scale_inv,
+    cache_block_size,
+    position_ids=None,
+    cos_sin_cache=None,
+):
+    calls["fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert"] += 1
+    reference.mla_decode_q_concat_kv_cache_insert(
+        ql_nope,
+        q_pe,
+        kv_c_normed,
+        k_pe,
+        mqa_q,
+        k_cache,
+        slot_mapping,
+        cache_block_size,
+        position_ids,
+        cos_sin_cache,
+        q_scale_inv,
+        cache_scale_inv,
+        fp8_max=_fp8_max(),
+    )
 
 
 def _concat_and_cache_mla(
@@ -119,6 +186,12 @@ _IMPLS = {
     "fused_add_rms_norm": _fused_add_rms_norm,
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
+    "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": (
+        _mla_decode_q_concat_kv_cache_insert
+    ),
+    "fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert": (
+        _mla_decode_q_concat_kv_cache_fp8_insert
+    ),
     "concat_and_cache_mla": _concat_and_cache_mla,
     "concat_and_cache_mla_grouped": _concat_and_cache_mla_grouped,
 }
@@ -126,6 +199,7 @@ _IMPLS = {
 
 def install(mode: str) -> None:
     """Register the reference kernels (idempotent per process)."""
+    _STATE["mode"] = mode
     _STATE["rocm"] = mode.startswith("rocm")
     _STATE["fp8_dtype"] = (
         torch.float8_e4m3fnuz if mode == "rocm-gfx942" else torch.float8_e4m3fn

@@ -286,20 +286,87 @@ def rotary_embedding(
     any token and head stride, or a flat [tokens, heads * head_size]).
     """
     rot_dim = cos_sin_cache.shape[1]
-    half = rot_dim // 2
-    cs = cos_sin_cache.float()[positions.reshape(-1).long()]
-    c, s = cs[:, None, :half], cs[:, None, half:]
     for t in (query, key):
         if t is None:
             continue
         heads = t if t.dim() == 3 else t.unflatten(-1, (-1, head_size))
-        if is_neox:
-            x_view, y_view = heads[..., :half], heads[..., half:rot_dim]
-        else:
-            x_view, y_view = heads[..., 0:rot_dim:2], heads[..., 1:rot_dim:2]
-        x, y = x_view.float(), y_view.float()
-        x_view.copy_((x * c - y * s).to(t.dtype))
-        y_view.copy_((y * c + x * s).to(t.dtype))
+        view = heads[..., :rot_dim]
+        view.copy_(rotate(view, positions, cos_sin_cache, is_neox).to(t.dtype))
+
+
+def rotate(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> torch.Tensor:
+    """x [T, ..., rot_dim] rotated at ``positions`` [T], in fp32 (returned fp32)."""
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache.float()[positions.reshape(-1).long()]
+    lead = (x.shape[0],) + (1,) * (x.dim() - 2)
+    c, s = cs[:, :half].view(*lead, half), cs[:, half:].view(*lead, half)
+    xf = x.float()
+    if is_neox:
+        a, b = xf[..., :half], xf[..., half:]
+    else:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+    na, nb = a * c - b * s, b * c + a * s
+    if is_neox:
+        return torch.cat([na, nb], dim=-1)
+    return torch.stack([na, nb], dim=-1).flatten(-2)
+
+
+def mla_decode_q_concat_kv_cache_insert(
+    ql_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    mqa_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_block_size: int,
+    position_ids: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor | None,
+    q_scale_inv: torch.Tensor | None = None,
+    cache_scale_inv: torch.Tensor | None = None,
+    *,
+    fp8_max: float = 448.0,
+) -> None:
+    """csrc/fused_kimi_k3_mla_key_concat_kv_cache_kernel.cu, the K3 decode
+    epilogue (``fused_kimi_k3_mla_decode_q_concat_kv_cache{,_fp8}_insert``).
+
+    ``mqa_q[t, h] = [ql_nope | rope(q_pe)]`` and cache row ``slot_mapping[t]``
+    (skipped when < 0) ``= [kv_c | rope(k_pe)]``; RoPE (interleaved pairs, fp32
+    table) only when ``position_ids`` is given. With a scale, a value is
+    stored as e4m3 of ``x * scale_inv`` saturated to ``fp8_max``. The kernel
+    is compiled for K3's sizes only; this body takes any.
+    """
+    k_pe = k_pe.reshape(k_pe.shape[0], -1)
+    q_pe, k_pe = q_pe.float(), k_pe.float()
+    if position_ids is not None:
+        assert cos_sin_cache is not None
+        q_pe = rotate(q_pe, position_ids, cos_sin_cache, is_neox=False)
+        k_pe = rotate(k_pe, position_ids, cos_sin_cache, is_neox=False)
+
+    def stored(x: torch.Tensor, scale_inv, dtype) -> torch.Tensor:
+        """``x`` as ``dtype`` holds it (fp8: e4m3 bytes, ``dtype`` may be uint8)."""
+        if scale_inv is None:
+            return x.to(dtype)
+        y = (x * float(scale_inv.reshape(-1)[0])).clamp(-fp8_max, fp8_max)
+        return y.to(torch.float8_e4m3fn).view(dtype)
+
+    q = torch.cat([ql_nope.float(), q_pe], dim=-1)
+    mqa_q.copy_(stored(q, q_scale_inv, mqa_q.dtype))
+    kv = torch.cat([kv_c.float(), k_pe], dim=-1)
+    rows = stored(kv, cache_scale_inv, k_cache.dtype)
+    write_cache_entries(
+        k_cache,
+        rows,
+        slot_mapping.reshape(-1),
+        cache_block_size,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        "auto",  # rows are already in the cache's element type
+        1.0,
+        torch.float8_e4m3fn,
+    )
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:

@@ -67,14 +67,20 @@ class RemoteError(AssertionError):
 
 
 class Zygote:
-    def __init__(self, mode: str) -> None:
+    """Starts in the background; the first ``call`` waits until it is ready,
+    so several zygotes start concurrently. ``vllm_tree``: a folder holding a
+    ``vllm`` package to import instead of the installed one."""
+
+    def __init__(self, mode: str, vllm_tree: str | None = None) -> None:
         self.mode = mode
+        self.vllm_tree = vllm_tree
         self.log = tempfile.NamedTemporaryFile(
             prefix=f"k3-zygote-{mode}-", suffix=".log", delete=False
         )
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(PROJECT_ROOT)]
+            + ([vllm_tree] if vllm_tree else [])
             + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         )
         self.proc = subprocess.Popen(
@@ -85,11 +91,17 @@ class Zygote:
             cwd=PROJECT_ROOT,
             env=env,
         )
-        status = _recv(self.proc.stdout)
-        if status[0] != "ready":
-            raise RuntimeError(f"zygote {mode} failed to start: {status[1]}")
+        self._ready = False
+
+    def _await_ready(self) -> None:
+        if not self._ready:
+            status = _recv(self.proc.stdout)
+            if status[0] != "ready":
+                raise RuntimeError(f"zygote {self.mode} failed to start: {status[1]}")
+            self._ready = True
 
     def call(self, fn, /, **kwargs):
+        self._await_ready()
         _send(self.proc.stdin, (fn.__module__, fn.__qualname__, kwargs))
         kind, payload = _recv(self.proc.stdout)
         if kind == "ok":
@@ -98,8 +110,12 @@ class Zygote:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            if self._ready:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            else:  # still starting up: nothing of it is needed
+                self.proc.kill()
+                self.proc.wait()
         self.log.close()
 
 

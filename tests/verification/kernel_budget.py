@@ -1,0 +1,566 @@
+"""Kernel budget of one K3 DSpark draft step, counted on CPU.
+
+Counts the device kernels one draft step launches, per phase, with the
+dispatch-level counter of ``harness/launches.py`` (its docstring states the
+counting rules), for:
+
+* ``baseline``: the NVIDIA module of pristine vLLM 0.33.0 on ROCm, which is
+  what ROCm users run today (0.33.0's registry sends ``K3DSparkModel`` to
+  ``nvidia.dspark_mla`` on every platform). It runs in a zygote that imports
+  the whole pristine release, extracted from git (``tests.support.pristine``);
+* ``nvidia`` and ``amd``: the patched NVIDIA and AMD modules on ROCm;
+
+each with a bf16 (``auto``) and an fp8 KV cache, and under both of vLLM's
+execution modes, which pick different kernels: ``compiled`` is vLLM's default
+config (torch.compile with Inductor: ``CustomOp``s such as RoPE run their
+``forward_native``, vLLM IR ops such as RMSNorm their ``native`` impl, and
+``SiluAndMul`` is compiled on its own), ``eager`` is ``--enforce-eager``
+(custom ops on, IR ops on vLLM's C++ kernels). The drafter itself is not
+compiled in either mode.
+
+Phases, each counted in steady state (run once uncounted first, so one-time
+work such as uploading the cache-pointer array is left out):
+
+* ``context_kv``: ``precompute_and_store_context_kv`` (once per step);
+* ``first_layer`` / ``layer``: the first draft decoder layer, and each further
+  one (the first normalises the embedding without a residual add);
+* ``model``: what the model's forward launches outside its layers (embedding
+  lookup, final norm).
+
+A step with L layers launches ``context_kv + first_layer + (L-1) * layer +
+model``. What is counted, and where the count stops:
+
+* the attention layer is run for real up to and including its call into the
+  attention backend, plus its KV-cache write (``concat_and_cache_mla`` on AMD,
+  the fused decode epilogue on NVIDIA). Both sides use TRITON_MLA; its
+  attention kernel (``decode_attention_fwd``, two Triton kernels) is replaced
+  by a stand-in counted as one launch, ``attention::decode_attention_fwd``,
+  shared by both sides. The backend's own preparation (output buffers, the
+  per-row block table) is counted on both sides;
+* a Triton kernel launched by the drafter counts once per launch, as
+  ``triton::<kernel>`` (the launch is recorded, the kernel not run);
+* a function vLLM compiles on its own (``CustomOp.maybe_compile``) counts
+  once, as ``compiled::<op>.<method>``: Inductor turns these small pointwise
+  graphs into one kernel;
+* the attention metadata is built by the model runner and is not counted.
+
+The draft is synthetic and tiny (``harness/drafter.py``; YaRN RoPE, the
+configuration the review measured); the counts do not depend on sizes. Only GPU kernels are
+replaced (reference bodies in ``harness/ops.py``); everything else is vLLM's
+own code under the emulated platform (``harness/platform.py``).
+
+``.venv/bin/python -m tests.verification.kernel_budget`` prints the table (markdown);
+``--print-pins`` prints the ``PINS`` literal of ``test_kernel_budget.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import types
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from tests.support.pristine import base_tag, extract_pristine_package
+from tests.verification.harness.zygote import Zygote
+
+PHASES = ("context_kv", "first_layer", "layer", "model")
+PHASE_TITLES = {
+    "context_kv": "context KV",
+    "first_layer": "first layer",
+    "layer": "each further layer",
+    "model": "model (embed, final norm)",
+}
+NUM_LAYERS = 2
+CACHE_DTYPES = {"bf16": "auto", "fp8": "fp8"}
+ROPE = "yarn"
+CONTEXT_TOKENS = 10
+BLOCK_TOKENS = 4
+ROCM = "rocm-gfx942"
+
+# Why the AMD module launches more than the baseline, by cause ...
+EXTRA_CAUSES = {
+    "rope": "the YaRN RoPE (DeepseekScalingRotaryEmbedding) runs as PyTorch ops "
+    "on ROCm (forward_static: gather cos/sin, repeat_interleave, rotate, cast "
+    "back); the baseline applies RoPE inside its fused decode epilogue",
+    "q_pe write-back": "the RoPE is out of place, so the rotated q_pe is copied "
+    "back into q (amd/mla.py `q[..., nope:], k_pe = rotary_emb(...)`)",
+    "q/kv norms": "q_a_layernorm and kv_a_layernorm are two RMSNorms (vllm_ir "
+    "rms_norm: one _C kernel each in eager mode, PyTorch's native form under "
+    "torch.compile); the baseline fuses both into one Triton kernel "
+    "(fused_q_kv_rmsnorm). AITER's fused dual RMSNorm is off by default",
+    "cache write": "the KV-cache write is a launch of its own (MLAAttention: "
+    "concat_and_cache_mla); the baseline's fused decode epilogue writes the "
+    "cache together with the query concat and both RoPEs",
+    "query concat": "TRITON_MLA's forward_mqa concatenates [ql_nope | q_pe] "
+    "(MLAAttention hands it the two parts); the baseline's fused decode "
+    "epilogue writes the concatenated query",
+}
+# ... and by op: every op the AMD module launches more often than the
+# baseline, in any configuration and phase, must be listed with its causes.
+ALLOWED_EXTRA: dict[str, tuple[str, ...]] = {
+    "_C_cache_ops::concat_and_cache_mla": ("cache write",),
+    "_C::rms_norm": ("q/kv norms",),
+    "aten::_to_copy": ("rope", "q/kv norms"),
+    "aten::add": ("rope", "q/kv norms"),
+    "aten::mul": ("rope", "q/kv norms"),
+    "aten::mean": ("q/kv norms",),
+    "aten::pow": ("q/kv norms",),
+    "aten::rsqrt": ("q/kv norms",),
+    "aten::clone": ("rope",),
+    "aten::index": ("rope",),
+    "aten::neg": ("rope",),
+    "aten::stack": ("rope",),
+    "aten::copy_": ("q_pe write-back",),
+    "aten::cat": ("query concat",),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    module: str  # "baseline" (0.33.0's NVIDIA module), "nvidia" or "amd"
+    cache: str  # "bf16" or "fp8"
+    mode: str  # "compiled" or "eager"
+
+    @property
+    def id(self) -> str:
+        return f"{self.module}/{self.cache}/{self.mode}"
+
+    @property
+    def label(self) -> str:
+        if self.module == "baseline":
+            return f"baseline: NVIDIA module of {base_tag()}"
+        return f"{self.module.upper()} module, patched"
+
+    @property
+    def baseline(self) -> Config:
+        return Config("baseline", self.cache, self.mode)
+
+
+CONFIGS = [
+    Config(module, cache, mode)
+    for module in ("baseline", "nvidia", "amd")
+    for cache in CACHE_DTYPES
+    for mode in ("compiled", "eager")
+]
+
+
+# --------------------------------------------------------------------------
+# Measurement (runs in a forked child of an emulated zygote)
+# --------------------------------------------------------------------------
+
+
+def _kernel_name(kernel) -> str:
+    fn = kernel
+    while not isinstance(fn, types.FunctionType) and hasattr(fn, "fn"):
+        fn = fn.fn  # through Autotuner / Heuristics to the JIT function
+    return getattr(fn, "__qualname__", type(kernel).__name__)
+
+
+def _install_stand_ins() -> None:
+    """Count the launches that do not reach the dispatcher. The child is
+    thrown away after the measurement, so nothing is restored."""
+    import functools
+
+    import triton.runtime.jit as triton_jit
+
+    import vllm.v1.attention.backends.mla.triton_mla as triton_mla
+    from vllm.model_executor.custom_op import CustomOp
+
+    from tests.verification.harness.launches import opaque_launch
+
+    def launcher(kernel, grid):
+        def launch(*args, **kwargs):
+            with opaque_launch(f"triton::{_kernel_name(kernel)}"):
+                pass
+
+        return launch
+
+    triton_jit.KernelInterface.__getitem__ = launcher
+
+    def decode_attention_fwd(*args, **kwargs):
+        with opaque_launch("attention::decode_attention_fwd"):
+            pass
+
+    triton_mla.decode_attention_fwd = decode_attention_fwd
+
+    maybe_compile = CustomOp.maybe_compile
+
+    def counted_compile(self, fn, *, enable=True):
+        if maybe_compile(self, fn, enable=enable) is fn:
+            return fn  # not compiled: runs (and is counted) op by op
+        name = f"compiled::{type(self).__name__}.{fn.__name__}"
+
+        @functools.wraps(fn)
+        def compiled(*args, **kwargs):
+            with opaque_launch(name):
+                return fn(*args, **kwargs)
+
+        return compiled
+
+    CustomOp.maybe_compile = counted_compile
+
+
+def _decode_metadata(num_tokens: int, seq_len: int):
+    """What a decode-only draft block's MLA metadata carries (one request)."""
+    import torch
+
+    return SimpleNamespace(
+        num_actual_tokens=num_tokens,
+        num_decode_tokens=num_tokens,
+        num_decodes=1,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        max_seq_len=seq_len,
+        causal=False,
+        prefill=None,
+        decode=SimpleNamespace(
+            block_table=torch.arange(6, dtype=torch.int32).view(1, 6),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        ),
+    )
+
+
+def _build(module: str, cache: str, mode: str):
+    """The draft as a worker would run it, with bound caches and embedding."""
+    import vllm.ir
+    from vllm.config import get_cached_compilation_config
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding,
+    )
+
+    from tests.verification.harness import drafter as D
+
+    # Custom-op dispatch reads a cached compilation config: the zygote's.
+    get_cached_compilation_config.cache_clear()
+    draft = D.build(
+        rope=ROPE,
+        cache_dtype=CACHE_DTYPES[cache],
+        cls=D.drafter_cls("amd" if module == "amd" else "nvidia"),
+        eager=mode == "eager",
+        num_layers=NUM_LAYERS,
+    )
+    D.allocate_caches(draft)
+    config = draft.vllm_config
+    # What every worker does at start-up (v1/worker/worker_base.py).
+    config.kernel_config.ir_op_priority.set_default()
+    vllm.ir.set_default_torch_wrap(config.compilation_config.ir_enable_torch_wrap)
+    cfg = draft.hf_config
+    with D.config_context(config):
+        # The target's embedding, which the runner aliases into the draft.
+        embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+    embed.weight.data.normal_()
+    draft.model.model.embed_tokens = embed
+    return draft
+
+
+def _attribute_layers(counter, layers) -> None:
+    """Count what each decoder layer launches under its phase."""
+    for i, layer in enumerate(layers):
+        phase = "first_layer" if i == 0 else "layer"
+        layer.register_forward_pre_hook(
+            lambda *_, phase=phase: setattr(counter, "phase", phase)
+        )
+        layer.register_forward_hook(lambda *_: setattr(counter, "phase", "model"))
+
+
+def measure(module: str, cache: str, mode: str) -> dict:
+    """Counts, calling sites and setup of one configuration, per phase."""
+    import torch
+
+    import vllm
+    from vllm.forward_context import set_forward_context
+
+    from tests.verification.harness import drafter as D
+    from tests.verification.harness.launches import LaunchCounter
+
+    _install_stand_ins()
+    draft = _build(module, cache, mode)
+    config = draft.vllm_config
+    states, positions = D.context_inputs(draft.hf_config, CONTEXT_TOKENS)
+    context_slots = D.distinct_slots(CONTEXT_TOKENS, 96, 3)
+    seq_len = CONTEXT_TOKENS + BLOCK_TOKENS
+    block_ids = torch.arange(BLOCK_TOKENS)
+    block_positions = torch.arange(CONTEXT_TOKENS, seq_len)
+    block_slots = torch.arange(CONTEXT_TOKENS, seq_len, dtype=torch.int64)
+    names = [owner.layer_name for owner in draft.cache_layers()]
+
+    counter = LaunchCounter(sites_under=str(Path(vllm.__file__).parent) + "/")
+    _attribute_layers(counter, draft.layers)
+    steps = {
+        "context_kv": lambda: draft.model.precompute_and_store_context_kv(
+            states, positions, context_slots
+        ),
+        "model": lambda: draft.model(block_ids, block_positions),
+    }
+    with (
+        D.config_context(config),
+        set_forward_context(
+            {name: _decode_metadata(BLOCK_TOKENS, seq_len) for name in names},
+            config,
+            slot_mapping={name: block_slots for name in names},
+        ),
+        torch.inference_mode(),
+    ):
+        for phase, step in steps.items():
+            step()  # steady state: one-time work happens here, uncounted
+            counter.phase = phase
+            with counter:
+                step()
+    return {
+        "counts": {p: dict(counter.counts.get(p, {})) for p in PHASES},
+        "sites": {
+            p: {op: dict(s) for op, s in counter.sites.get(p, {}).items()}
+            for p in PHASES
+        },
+        "setup": {
+            "vllm": str(Path(vllm.__file__).parent),
+            "attention": type(draft.cache_layers()[0].impl).__name__,
+            "custom_ops": ",".join(config.compilation_config.custom_ops),
+            "rms_norm": ",".join(vllm.ir.ops.rms_norm.get_priority()),
+        },
+    }
+
+
+# --------------------------------------------------------------------------
+# Driving the emulated processes
+# --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def pristine_zygote() -> Iterator[Zygote]:
+    """An emulated ROCm process importing the pristine release."""
+    with tempfile.TemporaryDirectory(prefix="k3-pristine-vllm-") as tmp:
+        zygote = Zygote(ROCM, vllm_tree=str(extract_pristine_package(Path(tmp))))
+        try:
+            yield zygote
+        finally:
+            zygote.close()
+
+
+def measure_all(patched: Zygote, pristine: Zygote) -> dict[str, dict]:
+    """{config id: measurement} for every configuration; the two zygotes
+    work at the same time."""
+
+    def run(zygote: Zygote, configs: list[Config]) -> dict[str, dict]:
+        results = {}
+        for c in configs:
+            r = zygote.call(measure, module=c.module, cache=c.cache, mode=c.mode)
+            if zygote.vllm_tree and not r["setup"]["vllm"].startswith(zygote.vllm_tree):
+                raise RuntimeError(
+                    f"{c.id} ran vLLM from {r['setup']['vllm']}, not from "
+                    f"{zygote.vllm_tree}: an installed vLLM shadows PYTHONPATH"
+                )
+            results[c.id] = r
+        return results
+
+    baseline = [c for c in CONFIGS if c.module == "baseline"]
+    others = [c for c in CONFIGS if c.module != "baseline"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = [pool.submit(run, pristine, baseline), pool.submit(run, patched, others)]
+        results = {**jobs[0].result(), **jobs[1].result()}
+    return {c.id: results[c.id] for c in CONFIGS}
+
+
+# --------------------------------------------------------------------------
+# Comparing and printing
+# --------------------------------------------------------------------------
+
+
+def launches(counts: dict[str, int]) -> int:
+    return sum(counts.values())
+
+
+def step_total(counts: dict[str, dict[str, int]], num_layers: int) -> int:
+    return (
+        launches(counts["context_kv"])
+        + launches(counts["first_layer"])
+        + (num_layers - 1) * launches(counts["layer"])
+        + launches(counts["model"])
+    )
+
+
+def delta(base: dict[str, int], other: dict[str, int]) -> dict[str, int]:
+    """{op: other - base} for every op whose count differs."""
+    ops = sorted(set(base) | set(other))
+    return {
+        op: other.get(op, 0) - base.get(op, 0)
+        for op in ops
+        if other.get(op, 0) != base.get(op, 0)
+    }
+
+
+def pin_string(counts: dict[str, int]) -> str:
+    return " ".join(f"{op}={n}" for op, n in sorted(counts.items()))
+
+
+def parse_pin(text: str) -> dict[str, int]:
+    ops = (item.rsplit("=", 1) for item in text.split())
+    return {op: int(n) for op, n in ops}
+
+
+def pin_mismatches(
+    pinned: dict[str, str], counts: dict[str, dict[str, int]]
+) -> list[str]:
+    """One line per op whose measured count differs from the pinned one."""
+    lines = []
+    for phase in PHASES:
+        pins = parse_pin(pinned[phase])
+        for op, n in delta(pins, counts[phase]).items():
+            lines.append(
+                f"{phase}: {op} pinned {pins.get(op, 0)}, "
+                f"measured {counts[phase].get(op, 0)} ({n:+d})"
+            )
+    return lines
+
+
+def amd_extras(counts_by_id: dict[str, dict]) -> dict[str, dict[str, int]]:
+    """{"<config> <phase>": {op: n}}: ops the AMD module launches n more times
+    than the baseline."""
+    extras = {}
+    for config in CONFIGS:
+        if config.module != "amd":
+            continue
+        for phase in PHASES:
+            d = delta(
+                counts_by_id[config.baseline.id][phase], counts_by_id[config.id][phase]
+            )
+            if more := {op: n for op, n in d.items() if n > 0}:
+                extras[f"{config.id} {phase}"] = more
+    return extras
+
+
+def _ops_cell(counts: dict[str, int]) -> str:
+    return ", ".join(f"{op} ×{n}" for op, n in sorted(counts.items())) or "-"
+
+
+def _sites_cell(sites: dict[str, int]) -> str:
+    top = sorted(sites.items(), key=lambda kv: -kv[1])
+    return "; ".join(f"{site} ×{n}" for site, n in top)
+
+
+def render(results: dict[str, dict]) -> str:
+    out = [
+        "## Kernel budget of one K3 DSpark draft step (emulated ROCm, gfx942)",
+        "",
+        "Kernel launches counted on CPU (tests/verification/kernel_budget.py "
+        f"says what counts). Synthetic draft: {NUM_LAYERS} layers, {ROPE} RoPE, "
+        f"TRITON_MLA, {CONTEXT_TOKENS} context tokens, a {BLOCK_TOKENS}-token "
+        "block. compiled = vLLM's default config, eager = --enforce-eager. "
+        "A step with L layers launches context KV + first layer + (L-1) x "
+        "further layer + model.",
+        "",
+        "| configuration | KV cache | mode | "
+        + " | ".join(PHASE_TITLES[p] for p in PHASES)
+        + f" | step ({NUM_LAYERS} layers) |",
+        "|" + " --- |" * (len(PHASES) + 4),
+    ]
+    for c in CONFIGS:
+        counts = results[c.id]["counts"]
+        cells = [str(launches(counts[p])) for p in PHASES]
+        out.append(
+            f"| {c.label} | {c.cache} | {c.mode} | "
+            + " | ".join(cells)
+            + f" | {step_total(counts, NUM_LAYERS)} |"
+        )
+    out += _render_amd_vs_baseline(results)
+    out += ["", "### Launches by op", ""]
+    for c in CONFIGS:
+        setup = results[c.id]["setup"]
+        out += [
+            f"#### {c.label}, {c.cache} cache, {c.mode}",
+            "",
+            f"attention impl {setup['attention']}; custom_ops "
+            f"{setup['custom_ops']}; rms_norm IR priority {setup['rms_norm']}",
+            "",
+            "| phase | launches | ops |",
+            "| --- | --- | --- |",
+        ]
+        for p in PHASES:
+            counts = results[c.id]["counts"][p]
+            out.append(
+                f"| {PHASE_TITLES[p]} | {launches(counts)} | {_ops_cell(counts)} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def _render_amd_vs_baseline(results: dict[str, dict]) -> list[str]:
+    out = [
+        "",
+        "### AMD module vs baseline",
+        "",
+        "Ops the AMD module launches more (+) or less (-) often than the "
+        "baseline, per phase; every extra needs a cause (ALLOWED_EXTRA).",
+        "",
+        "| KV cache | mode | phase | op | baseline | AMD | Δ | cause | where |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    legend = ["", "Causes:", ""] + [
+        f"* **{cause}**: {reason}." for cause, reason in EXTRA_CAUSES.items()
+    ]
+    for amd in CONFIGS:
+        if amd.module != "amd":
+            continue
+        for phase in PHASES:
+            b = results[amd.baseline.id]["counts"][phase]
+            a = results[amd.id]["counts"][phase]
+            for op, n in delta(b, a).items():
+                side = amd if n > 0 else amd.baseline
+                sites = results[side.id]["sites"][phase].get(op, {})
+                reason = ""
+                if n > 0:
+                    reason = ", ".join(ALLOWED_EXTRA.get(op, ("**none given**",)))
+                out.append(
+                    f"| {amd.cache} | {amd.mode} | {PHASE_TITLES[phase]} | {op} | "
+                    f"{b.get(op, 0)} | {a.get(op, 0)} | {n:+d} | {reason} | "
+                    f"{_sites_cell(sites)} |"
+                )
+    return out + legend
+
+
+def pins_literal(results: dict[str, dict]) -> str:
+    lines = ["PINS = {"]
+    for c in CONFIGS:
+        lines.append(f'    "{c.id}": {{')
+        for p in PHASES:
+            lines.append(f'        "{p}": "{pin_string(results[c.id]["counts"][p])}",')
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.verification.kernel_budget",
+        description="Print the kernel budget of one K3 DSpark draft step.",
+    )
+    parser.add_argument(
+        "--print-pins",
+        action="store_true",
+        help="print the PINS literal of tests/verification/test_kernel_budget.py",
+    )
+    args = parser.parse_args(argv)
+    patched = Zygote(ROCM)
+    try:
+        with pristine_zygote() as pristine:
+            results = measure_all(patched, pristine)
+    except FileNotFoundError as exc:  # no pristine release to compare with
+        print(f"kernel budget: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        patched.close()
+    print(pins_literal(results) if args.print_pins else render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    # Re-import under the package name: the zygotes resolve ``measure`` by it.
+    from tests.verification import kernel_budget
+
+    sys.exit(kernel_budget.main())
