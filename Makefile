@@ -4,7 +4,8 @@
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
-.PHONY: help apply patches rebase drift overlay install-overlay build test check bench lock clean fetch
+.PHONY: help apply patches rebase drift overlay install-overlay build test check bench lock clean fetch \
+        rocm-image rocm-source-image
 
 help:
 	@echo "make apply      fetch pinned vLLM, apply patches/series -> build/vllm, vllm_overlay/"
@@ -15,6 +16,8 @@ help:
 	@echo "make drift [VLLM_VERSION=x.y.z]  try the stack on the newest release (changes nothing)"
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make bench      time apply/check/patches against their goals (prints figures)"
+	@echo "make rocm-image [BASE_IMAGE=...] [IMAGE_TAG=...]   ROCm image: release image + overlay"
+	@echo "make rocm-source-image [BASE_IMAGE=...]            ROCm image: vLLM's Dockerfile.rocm on build/vllm"
 	@echo "make build | lock | fetch | clean"
 
 apply:
@@ -57,3 +60,11 @@ fetch:
 
 clean:
 	$(STACK) clean
+
+# BASE_IMAGE, IMAGE_TAG and SMOKE_GCN_ARCH reach the script through the
+# environment (make exports command-line variables), never through the shell.
+rocm-image:
+	$(STACK) rocm-image
+
+rocm-source-image:
+	$(STACK) rocm-image --source

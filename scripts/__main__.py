@@ -30,6 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("test", help="run every test suite against the patched vLLM")
     sub.add_parser("bench", help="time the everyday commands against their goals")
     sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
+    image = sub.add_parser("rocm-image", help="build a ROCm image with the stack "
+                           "(BASE_IMAGE, IMAGE_TAG from the environment)")
+    image.add_argument("--source", action="store_true",
+                       help="vLLM's Dockerfile.rocm on build/vllm instead of the overlay recipe")
+    image.add_argument("--dry-run", action="store_true", help="print the commands only")
+    runbook = sub.add_parser("runbook", help="the hardware runbook on a ROCm machine "
+                             "(docs/hardware-runbook.md); --help for its options",
+                             add_help=False)
+    runbook.add_argument("runbook_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     layout = Layout.default()
     try:
@@ -101,6 +110,14 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
         from scripts.clean import clean
 
         clean(layout)
+    elif args.command == "rocm-image":
+        from scripts.rocm_image import build_image
+
+        build_image(layout, source=args.source, dry_run=args.dry_run)
+    elif args.command == "runbook":
+        from scripts.runbook.cli import main as runbook_main
+
+        return runbook_main(layout, args.runbook_args)
     return None
 
 
