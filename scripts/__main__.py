@@ -35,12 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     image.add_argument("--source", action="store_true",
                        help="vLLM's Dockerfile.rocm on build/vllm instead of the overlay recipe")
     image.add_argument("--dry-run", action="store_true", help="print the commands only")
-    runbook = sub.add_parser("runbook", help="the hardware runbook on a ROCm machine "
-                             "(docs/hardware-runbook.md); --help for its options",
-                             add_help=False)
-    runbook.add_argument("runbook_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    # Listed for --help; its own parser reads its options (scripts/runbook/cli.py).
+    sub.add_parser("runbook", help="the hardware runbook on a ROCm machine "
+                   "(docs/hardware-runbook.md); see `runbook --help`")
+    argv = sys.argv[1:] if argv is None else argv
     layout = Layout.default()
+    if argv[:1] == ["runbook"]:
+        from scripts.runbook.cli import main as runbook_main
+
+        return runbook_main(layout, argv[1:])
+    args = parser.parse_args(argv)
     try:
         return _dispatch(layout, args) or 0
     except StackError as e:
@@ -114,10 +118,6 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
         from scripts.rocm_image import build_image
 
         build_image(layout, source=args.source, dry_run=args.dry_run)
-    elif args.command == "runbook":
-        from scripts.runbook.cli import main as runbook_main
-
-        return runbook_main(layout, args.runbook_args)
     return None
 
 
