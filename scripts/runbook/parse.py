@@ -35,14 +35,14 @@ def _load_json(path: Path) -> dict:
     return data
 
 
-def _number(data: dict, key: str, path: Path, *, required: bool = True) -> float | None:
+def _number(data: dict, key: str, path: Path, *, required: bool = True) -> float | int | None:
     value = data.get(key)
     if value is None and not required:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
         raise ResultError(f"{path}: {key!r} is {value!r}, not a number "
                           "(is this a `vllm bench serve --save-result` file?)")
-    return float(value)
+    return value
 
 
 # --- vllm bench serve --save-result ------------------------------------------

@@ -89,7 +89,7 @@ def _write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
         writer.writerows(rows)
 
 
-def _plots(rows: list[dict], folder: Path) -> tuple[list[str], str | None]:
+def _plots(rows: list[dict], folder: Path, banner: str | None) -> tuple[list[str], str | None]:
     """PNG plots, or why there are none (the ROCm image may lack matplotlib)."""
     if not rows:
         return [], "no sweep results to plot"
@@ -121,6 +121,8 @@ def _plots(rows: list[dict], folder: Path) -> tuple[list[str], str | None]:
             ax.grid(True, alpha=0.3)
         axes[0][0].set_ylabel(title)
         axes[0][-1].legend()
+        if banner:
+            fig.suptitle(banner, color="firebrick")
         fig.tight_layout()
         name = f"{column}.png"
         fig.savefig(folder / name, dpi=100, metadata={"Software": None})
@@ -149,8 +151,8 @@ def write_report(config: Config, out: Path) -> Path:
             ["config", *(f"{m} exact_match" for m in parse.GSM8K_METRICS),
              *(f"{m} stderr" for m in parse.GSM8K_METRICS), "samples",
              "repetitive_fraction", "gate"])
-    plots, no_plots = _plots(rows, folder)
-    for name in ("commands.log", "preflight/versions.json"):
+    plots, no_plots = _plots(rows, folder, config.banner and config.banner.split(":")[0])
+    for name in ("plan.txt", "commands.log", "preflight/versions.json"):
         if (out / name).exists():
             shutil.copyfile(out / name, folder / Path(name).name)
     summary = _summary(config, out, rows, ratios, gate, plots, no_plots, problems)
@@ -171,8 +173,9 @@ def _summary(config: Config, out: Path, rows, ratios, gate, plots, no_plots,
         f"- B: `{config.candidate_image}` — {CONFIG_LABELS['B']}",
         f"- target `{config.model}`, speculative config `{config.speculative_json}`",
         f"- server environment: `{' '.join(f'{k}={v}' for k, v in config.serve_env.items())}`",
-        "- files: `sweep.csv`, `ratios.csv`, `accuracy.csv`, `commands.log` (every command, "
-        "in order, with exit status), `versions.json`", ""]
+        "- files: `sweep.csv`, `ratios.csv`, `accuracy.csv`, `plan.txt` (the plan), "
+        "`commands.log` (every command run, in order, with exit status and duration), "
+        "`versions.json`", ""]
     lines += _verdicts(out, rows, ratios, gate)
     lines += _tests_section(out) + _profile_section(out) + _accuracy_section(gate)
     lines += _sweep_section(ratios, gate, plots, no_plots, problems)
@@ -306,9 +309,8 @@ def _versions_section(out: Path) -> list[str]:
     lines = ["## Versions", "", "| | A | B |", "| --- | --- | --- |"]
     for key in keys:
         lines.append(f"| {key} | {versions['A'].get(key)} | {versions['B'].get(key)} |")
-    for label in ("A", "B"):
-        drafter = versions[label].get("drafter") or {}
-        lines.append(f"| drafter ({label}) | " + "; ".join(
-            f"{k} → {v}" for k, v in drafter.items()) + " | |")
+    drafters = ["<br>".join(f"{k} → {v}" for k, v in (versions[label].get("drafter") or {})
+                            .items()) for label in ("A", "B")]
+    lines.append(f"| K3 DSpark drafter | {drafters[0]} | {drafters[1]} |")
     return lines + ["", "Commands: `commands.log` lists every command of the run, in "
                     "order, with its exit status and duration.", ""]

@@ -141,7 +141,8 @@ class Runbook:
 def _exit(result: Result, timeout: float) -> str:
     if result.returncode == 124:
         return f"timed out after {timeout:.0f} s"
-    return f"exited {result.returncode}"
+    last = next((ln.strip() for ln in reversed(result.output.splitlines()) if ln.strip()), "")
+    return f"exited {result.returncode}" + (f" ({last[:160]})" if last else "")
 
 
 # --- 0. preflight ---------------------------------------------------------------
