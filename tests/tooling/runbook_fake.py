@@ -8,8 +8,8 @@ every command. A `Scenario` makes it misbehave: a missing image, a server that
 never becomes ready, a malformed result file, a broken drafter, a skipped
 ROCm-only test.
 
-`python3 -m tests.tooling.runbook_fake <folder>` writes the example report
-(docs/runbook-example/) from these samples.
+`python3 -m tests.tooling.runbook_fake docs/runbook-example` writes the example
+report from these samples (matplotlib installed: .venv has it).
 """
 
 from __future__ import annotations
@@ -263,7 +263,8 @@ def write_example(dest: Path, tmp: Path) -> None:
     from scripts.runbook.config import MACHINES, Config
 
     root = project_checkout(tmp / "project")
-    config = Config(MACHINES["mi300x"], tmp / "out", root, banner=EXAMPLE_BANNER)
+    config = Config(MACHINES["mi300x"], tmp / "out", root, banner=EXAMPLE_BANNER,
+                    hf_cache=Path("/home/rocm/.cache/huggingface"))
     code = run(config, RecordingExecutor(config.out_dir), say=lambda _: None)
     assert code == 0, f"the example run failed ({code})"
     dest.mkdir(parents=True, exist_ok=True)

@@ -284,3 +284,18 @@ def test_a_malformed_result_file_is_named_and_the_rest_kept(config, capsys):
     code, executor, _ = run(config)
     assert code == 0
     assert len([c for c in executor.commands if "bench" in c]) == 1
+
+
+def test_the_committed_example_is_what_the_runbook_writes(tmp_path):
+    pytest.importorskip("matplotlib")  # the example has plots; .venv has matplotlib
+    from tests.tooling.runbook_fake import write_example
+
+    example = REPO / "docs" / "runbook-example"
+    write_example(tmp_path / "example", tmp_path / "scratch")
+    for name in ("summary.md", "sweep.csv", "ratios.csv", "accuracy.csv", "plan.txt",
+                 "commands.log", "versions.json"):
+        assert (tmp_path / "example" / name).read_text() == (example / name).read_text(), (
+            f"docs/runbook-example/{name} is stale: regenerate it with "
+            "`python3 -m tests.tooling.runbook_fake docs/runbook-example`")
+    assert {p.name for p in (tmp_path / "example").glob("*.png")} == {
+        p.name for p in example.glob("*.png")}
