@@ -27,6 +27,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-image", default=defaults.baseline_image, help="A")
     p.add_argument("--candidate-image", default=defaults.candidate_image,
                    help="B (make rocm-image)")
+    p.add_argument("--test-image", default=None,
+                   help="image for the device tests (default: B); needs vLLM's test "
+                        "requirements: the overlay on vLLM's ROCm test image")
     p.add_argument("--model", default=defaults.model)
     p.add_argument("--port", type=int, default=defaults.port)
     p.add_argument("--hf-cache", type=Path, default=defaults.hf_cache,
@@ -83,6 +86,7 @@ def config_from(layout: Layout, args: argparse.Namespace) -> Config:
     return Config(
         machine=machine, out_dir=out, project_root=layout.root.resolve(),
         baseline_image=args.baseline_image, candidate_image=args.candidate_image,
+        test_image=args.test_image,
         model=args.model, port=args.port, hf_cache=args.hf_cache.expanduser().resolve(),
         engine=args.engine, steps=tuple(s for s in known if s in chosen), serve_env=env,
         output_lens=_ints(args.output_lens, "--output-lens"),

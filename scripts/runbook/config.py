@@ -45,6 +45,9 @@ class Config:
     project_root: Path
     baseline_image: str = "vllm/vllm-openai-rocm:v0.33.0"  # A
     candidate_image: str = "vllm-k3-dspark-rocm:v0.33.0-overlay"  # B (make rocm-image)
+    # B for the device tests: B's overlay on an image with vLLM's test
+    # requirements (pytest, ...); release images have none. Default: B.
+    test_image: str | None = None
     model: str = TARGET_MODEL
     speculative_config: dict = field(default_factory=lambda: dict(SPECULATIVE_CONFIG))
     serve_env: dict = field(default_factory=lambda: dict(SERVE_ENV))
@@ -60,6 +63,7 @@ class Config:
     # Accuracy: gsm8k, 5-shot, the full test set unless limited.
     gsm8k_limit: int | None = None
     gsm8k_concurrency: int = 32
+    lm_eval_requirement: str = "lm_eval[api]==0.4.13"
     # Two standard errors of the difference: the "noise" of the gate.
     noise_sigmas: float = 2.0
     # The draft-block attention benchmark of the Triton MLA patch (optional).
@@ -79,7 +83,13 @@ class Config:
     def speculative_json(self) -> str:
         return json.dumps(self.speculative_config, separators=(", ", ": "))
 
+    @property
+    def tests_image(self) -> str:
+        return self.test_image or self.candidate_image
+
     def image(self, label: str) -> str:
+        if label == "tests":
+            return self.tests_image
         return self.baseline_image if label in ("A", "ref") else self.candidate_image
 
 

@@ -114,8 +114,10 @@ def in_server(config: Config, srv: Server, argv: list[str]) -> list[str]:
 def preflight(config: Config) -> list[Session]:
     probe = ["python3", "-m", "scripts.runbook.probe"]
     commands = [Command("container engine answers", [config.engine, "info"], 120, "engine")]
-    for label in ("A", "B"):
+    for label in ("A", "B", "tests"):
         image = config.image(label)
+        if label == "tests" and image == config.candidate_image:
+            continue
         commands.append(Command(f"image {label} exists", [config.engine, "image", "inspect",
                                 "--format={{.Id}}", image], 120, "image", meta={"config": label}))
         commands.append(Command(
@@ -141,7 +143,7 @@ def tests(config: Config) -> list[Session]:
     argv = ["python3", "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider",
             f"--junitxml={IN_CONTAINER}/tests/junit.xml", *stack_test_files(config)]
     command = Command("the stack's vLLM tests in B", one_shot(
-        config, config.candidate_image, argv, extra_mounts=mounts, workdir=TESTS_IN_CONTAINER),
+        config, config.tests_image, argv, extra_mounts=mounts, workdir=TESTS_IN_CONTAINER),
         config.tests_timeout, "pytest", done=("tests/junit.xml",), check=False)
     return [Session("1. device tests (B)", [command])]
 
@@ -171,6 +173,19 @@ def profile(config: Config) -> list[Session]:
     return [Session("2. profile (B)", [bench], srv)]
 
 
+def lm_eval_client(config: Config, srv: Server, argv: list[str]) -> list[str]:
+    """lm-eval in a throwaway container next to the server (host network).
+
+    Release images do not ship lm-eval: pip installs the pinned version into
+    the container, which is removed afterwards; the image stays as it is. The
+    requirement and the arguments reach the shell as positional parameters.
+    """
+    script = 'python3 -m pip install --quiet "$0" && exec lm_eval "$@"'
+    return [config.engine, "run", "--rm", "--network=host", *_mounts(config),
+            *_env_flags({"PIP_BREAK_SYSTEM_PACKAGES": "1"}), "--entrypoint=sh", srv.image,
+            "-c", script, config.lm_eval_requirement, *argv]
+
+
 def accuracy(config: Config) -> list[Session]:
     sessions = []
     for label in ("ref", "A", "B"):
@@ -180,12 +195,12 @@ def accuracy(config: Config) -> list[Session]:
             f"base_url=http://127.0.0.1:{config.port}/v1/completions",
             f"num_concurrent={config.gsm8k_concurrency}", "max_retries=3",
             "tokenized_requests=False", "trust_remote_code=True"])
-        argv = ["lm_eval", "--model", "local-completions", "--model_args", model_args,
+        argv = ["--model", "local-completions", "--model_args", model_args,
                 "--tasks", "gsm8k", "--num_fewshot", "5", "--seed", "0", "--log_samples",
                 "--output_path", f"{IN_CONTAINER}/accuracy/{label}"]
         if config.gsm8k_limit:
             argv += ["--limit", str(config.gsm8k_limit)]
-        command = Command(f"gsm8k on {label}", in_server(config, srv, argv),
+        command = Command(f"gsm8k on {label}", lm_eval_client(config, srv, argv),
                           config.lm_eval_timeout, "lm_eval",
                           done=(f"accuracy/{label}/*/results_*.json",), meta={"config": label})
         sessions.append(Session(f"3. accuracy: {CONFIG_LABELS[label]}", [command], srv))
@@ -231,11 +246,13 @@ STEPS = {"preflight": preflight, "tests": tests, "profile": profile, "accuracy":
 def describe(config: Config) -> str:
     """The whole plan, in order: every command with its image, port and environment."""
     m = config.machine
+    tests_image = ("" if config.tests_image == config.candidate_image
+                   else f"\n# device tests:  {config.tests_image} (B's overlay on a test image)")
     lines = [
         f"# K3 DSpark hardware runbook: plan for {m.name} ({m.gcn_arch}, {m.gpu}, "
         f"tensor parallel {m.tensor_parallel_size})",
         f"# A (baseline):  {config.baseline_image}",
-        f"# B (candidate): {config.candidate_image}",
+        f"# B (candidate): {config.candidate_image}{tests_image}",
         f"# target model:  {config.model}",
         f"# speculative:   {config.speculative_json}",
         f"# results:       {config.out_dir} (/runbook in the containers)",

@@ -173,6 +173,8 @@ def _summary(config: Config, out: Path, rows, ratios, gate, plots, no_plots,
         f"- B: `{config.candidate_image}` — {CONFIG_LABELS['B']}",
         f"- target `{config.model}`, speculative config `{config.speculative_json}`",
         f"- server environment: `{' '.join(f'{k}={v}' for k, v in config.serve_env.items())}`",
+        f"- accuracy client: `{config.lm_eval_requirement}`, installed in a throwaway "
+        "container next to each server",
         "- files: `sweep.csv`, `ratios.csv`, `accuracy.csv`, `plan.txt` (the plan), "
         "`commands.log` (every command run, in order, with exit status and duration), "
         "`versions.json`", ""]
@@ -306,11 +308,14 @@ def _versions_section(out: Path) -> list[str]:
         return []
     keys = ("image_id", "vllm", "torch", "hip", "gpu", "gcn_arch", "gpu_count", "aiter",
             "pytest", "lm_eval")
-    lines = ["## Versions", "", "| | A | B |", "| --- | --- | --- |"]
+    labels = [k for k in ("A", "B", "tests") if k in versions]
+    lines = ["## Versions", "", "| | " + " | ".join(labels) + " |",
+             "|" + " --- |" * (1 + len(labels))]
     for key in keys:
-        lines.append(f"| {key} | {versions['A'].get(key)} | {versions['B'].get(key)} |")
+        lines.append(f"| {key} | " + " | ".join(str(versions[k].get(key)) for k in labels)
+                     + " |")
     drafters = ["<br>".join(f"{k} → {v}" for k, v in (versions[label].get("drafter") or {})
-                            .items()) for label in ("A", "B")]
-    lines.append(f"| K3 DSpark drafter | {drafters[0]} | {drafters[1]} |")
+                            .items()) for label in labels]
+    lines.append("| K3 DSpark drafter | " + " | ".join(drafters) + " |")
     return lines + ["", "Commands: `commands.log` lists every command of the run, in "
                     "order, with its exit status and duration.", ""]

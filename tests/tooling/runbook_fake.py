@@ -37,6 +37,7 @@ class Scenario:
     broken_drafter: str | None = None  # a config whose outputs turn to repetitive garbage
     rocm_test_skipped: bool = False
     kernel_bench_absent: bool = False
+    no_pytest_in_b: bool = False  # a release image: no test requirements
     polls_until_ready: int = 3
 
 
@@ -105,6 +106,8 @@ class RecordingExecutor:
 
     def _probe(self, argv, meta):
         probe = json.loads((SAMPLES / "probe_B.json").read_text())
+        if meta["config"] == "B" and self.scenario.no_pytest_in_b:
+            probe["pytest"] = None
         if meta["config"] == "A":
             probe["drafter"] = {"vllm.models.kimi_k3.K3DSparkForCausalLM": None,
                                 "ModelRegistry['K3DSparkModel']": NVIDIA}

@@ -9,6 +9,7 @@ concludes from their results and what it writes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -74,7 +75,11 @@ def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch,
     bench = [c for c in commands if " vllm bench serve " in c]
     assert len(bench) == 1 + 2 * 3 * 4
     assert "wait until http://127.0.0.1:8123/health answers 200" in text
-    assert text.count("lm_eval --model local-completions") == 3
+    lm_eval = [c for c in commands if "--model local-completions" in c]
+    assert len(lm_eval) == 3
+    assert all(c.startswith("docker run --rm --network=host ") and " -c 'python3 -m pip "
+               "install --quiet \"$0\" && exec lm_eval \"$@\"' 'lm_eval[api]==0.4.13' " in c
+               for c in lm_eval)
     assert not out.exists()
 
 
@@ -133,10 +138,10 @@ def test_a_full_run_writes_the_report(config, capsys):
     log = (report / "commands.log").read_text().splitlines()
     assert len(log) == len(executor.commands)
     assert log[0].endswith("exit 0  1s  docker info")
-    order = [i for i, c in enumerate(executor.commands) if "lm_eval" in c or "bench" in c]
-    first_bench = min(i for i in order if "bench" in executor.commands[i]
-                      and "--profile" not in executor.commands[i])
-    assert max(i for i in order if "lm_eval" in executor.commands[i]) < first_bench
+    lm_eval = [i for i, c in enumerate(executor.commands) if "local-completions" in c]
+    sweep = [i for i, c in enumerate(executor.commands) if "bench" in c
+             and "--profile" not in c]
+    assert len(lm_eval) == 3 and len(sweep) == 24 and max(lm_eval) < min(sweep)
 
 
 def test_plots_are_png_files_or_a_note_without_matplotlib(config, monkeypatch):
@@ -165,7 +170,7 @@ def test_a_second_run_resumes_and_measures_nothing_again(config):
     run(config)
     code, executor, _ = run(config)
     assert code == 0
-    for word in ("lm_eval", "bench", "pytest", "info"):
+    for word in ("local-completions", "bench", "pytest", "info"):
         assert not any(word in c for c in executor.commands), word
     assert not commands_with(executor, "--detach")
 
@@ -219,6 +224,26 @@ def test_the_stacks_test_files_come_from_the_overlay_manifest(config):
     assert argv[argv.index("--entrypoint=python3") + 2:][:5] == [
         "-m", "pytest", "-v", "-rs", "-p"]
     assert not [a for a in argv if a.startswith("vllm_overlay")]
+
+
+def test_b_without_pytest_asks_for_a_test_image(config, capsys):
+    code, _, err = run(config, Scenario(no_pytest_in_b=True), capsys)
+    assert code == 1
+    assert _one_line_failure(err, config.out_dir) == (
+        "runbook: preflight: image vllm-k3-dspark-rocm:v0.33.0-overlay has no pytest: give "
+        "--test-image, the overlay on vLLM's ROCm test image (make rocm-image "
+        "BASE_IMAGE=<that image>)")
+
+
+def test_a_test_image_runs_the_device_tests_and_is_checked(config):
+    config = dataclasses.replace(config, test_image="k3-dspark:rocm-test")
+    code, executor, _ = run(config, Scenario(no_pytest_in_b=True))
+    assert code == 0
+    (pytest_run,) = commands_with(executor, "pytest")
+    assert "k3-dspark:rocm-test" in pytest_run
+    assert commands_with(executor, "k3-dspark:rocm-test", "scripts.runbook.probe")
+    versions = json.loads((config.out_dir / "preflight/versions.json").read_text())
+    assert sorted(versions) == ["A", "B", "tests"]
 
 
 def test_missing_kernel_benchmark_is_skipped(config):
