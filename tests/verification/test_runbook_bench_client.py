@@ -77,3 +77,64 @@ def test_the_recorded_sample_has_exactly_the_keys_vllm_writes(profiled):
     written = json.loads((config.out_dir / command.done[0]).read_text())
     sample = json.loads(SAMPLE.read_text())
     assert sorted(sample) == sorted(written)
+
+
+
+SERVE_CHECK = """
+import dataclasses, json, sys, typing
+from tests.verification.harness import platform
+platform.activate("rocm-gfx950")  # parse as on an MI355X
+from vllm.config.speculative import SpeculativeConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+parser = FlexibleArgumentParser()
+subcommand = ServeSubcommand()
+subcommand.subparser_init(parser.add_subparsers(dest="subparser"))
+fields = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
+out = []
+for argv in json.loads(sys.argv[1]):
+    args = parser.parse_args(argv)
+    subcommand.validate(args)
+    args.model = args.model_tag
+    engine = EngineArgs.from_cli_args(args)
+    spec = engine.speculative_config or {}
+    out.append({
+        "model": args.model_tag, "tp": engine.tensor_parallel_size, "port": args.port,
+        "spec": spec, "unknown": sorted(set(spec) - set(fields)),
+        "invalid": {k: v for k, v in spec.items() if k in fields
+                    and typing.get_origin(fields[k].type) is typing.Literal
+                    and v not in typing.get_args(fields[k].type)},
+        "profiler": engine.profiler_config.profiler,
+        "profiler_dir": engine.profiler_config.torch_profiler_dir})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_vllm_parses_the_runbook_serve_commands():
+    """Every `vllm serve` the runbook starts parses with this vLLM's own CLI and
+    engine arguments, and the speculative config's keys and choices are
+    SpeculativeConfig's."""
+    config = Config(MACHINES["mi355x"], Path("/results"), ROOT)
+    servers = [s.server for step in (plan.profile, plan.accuracy, plan.sweep)
+               for s in step(config)]
+    argvs = [srv.start[srv.start.index(srv.image) + 1:] for srv in servers]
+    assert all(a[:2] == ["serve", config.model] for a in argvs)
+    # Not HF_HUB_OFFLINE: offline, EngineArgs looks the model up in the local cache.
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    proc = subprocess.run([sys.executable, "-c", SERVE_CHECK, json.dumps(argvs)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    parsed = json.loads(lines[-1][len("RESULT "):])
+    for srv, result in zip(servers, parsed):
+        assert result["model"] == config.model and result["tp"] == 8
+        assert result["port"] == config.port
+        if srv.config == "ref":
+            assert result["spec"] == {}
+        else:
+            assert result["spec"] == config.speculative_config
+        assert result["unknown"] == [] and result["invalid"] == {}
+    profile = parsed[0]
+    assert (profile["profiler"], profile["profiler_dir"]) == ("torch", "/runbook/profile/trace")
