@@ -306,7 +306,7 @@ def _versions_section(out: Path) -> list[str]:
     versions = _read(out / "preflight/versions.json")
     if not versions:
         return []
-    keys = ("image_id", "vllm", "torch", "hip", "gpu", "gcn_arch", "gpu_count", "aiter",
+    keys = ("image", "image_id", "vllm", "torch", "hip", "gpu", "gcn_arch", "gpu_count", "aiter",
             "pytest", "lm_eval")
     labels = [k for k in ("A", "B", "tests") if k in versions]
     lines = ["## Versions", "", "| | " + " | ".join(labels) + " |",

@@ -149,16 +149,20 @@ def _exit(result: Result, timeout: float) -> str:
 
 
 def preflight(rb: Runbook) -> None:
-    if rb.read_json("preflight/versions.json"):
-        rb.say("0. preflight\n  skip: preflight/versions.json exists")
-        return
     (session,) = plan.preflight(rb.config)
+    images = {c.meta["config"]: c.argv[-1] for c in session.commands if c.kind == "image"}
+    found = rb.read_json("preflight/versions.json")
+    if found and {k: v.get("image") for k, v in found.items()} == images:
+        rb.say("0. preflight\n  skip: preflight/versions.json has these images")
+        return
     rb.say(session.title)
     versions: dict = {}
     for command in session.commands:
         result = rb.run(command)
+        assert result is not None  # preflight commands have no results to resume from
         if command.kind == "image":
-            versions.setdefault(command.meta["config"], {})["image_id"] = result.output.strip()
+            versions[command.meta["config"]] = {"image": command.argv[-1],
+                                                "image_id": result.output.strip()}
         elif command.kind == "probe":
             versions[command.meta["config"]].update(_probe_output(command, result))
     _check_images(rb.config, versions)
@@ -271,19 +275,17 @@ def profile(rb: Runbook) -> None:
 
 def accuracy(rb: Runbook) -> None:
     rb.sessions(plan.accuracy(rb.config))
-    results = {}
+    accuracies, results = {}, {}
     for label in ("ref", "A", "B"):
         folder = rb.path(f"accuracy/{label}")
-        acc = parse.lm_eval_gsm8k(label, parse.latest_lm_eval_results(folder))
+        acc = accuracies[label] = parse.lm_eval_gsm8k(label, parse.latest_lm_eval_results(folder))
         samples = sorted(folder.glob("*/samples_gsm8k_*.jsonl"))
-        results[label] = {"scores": acc.scores, "stderrs": acc.stderrs,
-                          "samples": acc.samples, "file": rb.rel(acc.file),
-                          "repetitive": parse.repetitive_fraction(samples[-1])
-                          if samples else None, "_acc": acc}
-    gates = {label: checks.accuracy_gate(results[label]["_acc"], results["ref"]["_acc"],
+        results[label] = {"scores": acc.scores, "stderrs": acc.stderrs, "samples": acc.samples,
+                          "file": rb.rel(acc.file),
+                          "repetitive": parse.repetitive_fraction(samples[-1]) if samples
+                          else None}
+    gates = {label: checks.accuracy_gate(accuracies[label], accuracies["ref"],
                                          rb.config.noise_sigmas) for label in ("A", "B")}
-    for r in results.values():
-        del r["_acc"]
     rb.write_json("accuracy/gate.json", {
         "noise_sigmas": rb.config.noise_sigmas, "results": results,
         "gates": {k: {"passed": g.passed, "lines": g.lines} for k, g in gates.items()}})

@@ -175,6 +175,13 @@ def test_a_second_run_resumes_and_measures_nothing_again(config):
     assert not commands_with(executor, "--detach")
 
 
+def test_other_images_are_checked_again(config):
+    run(config)
+    config = dataclasses.replace(config, candidate_image="k3-dspark:rebuilt")
+    _, executor, _ = run(config, Scenario(missing_image="B"))
+    assert commands_with(executor, "image", "inspect", "--format={{.Id}}", "k3-dspark:rebuilt")
+
+
 def test_a_deleted_cell_is_measured_again_alone(config):
     run(config)
     (config.out_dir / "bench/B/c16-o1024.json").unlink()
