@@ -54,11 +54,15 @@ class Runbook:
     def exists(self, pattern: str) -> bool:
         return any(self.out.glob(pattern))
 
+    def done(self, command: plan.Command) -> bool:
+        """Whether the command's results are all there already (resume)."""
+        return bool(command.done) and all(self.exists(p) for p in command.done)
+
     # --- commands ------------------------------------------------------------
 
     def run(self, command: plan.Command) -> Result | None:
         """Run one command (None: skipped, its results exist); record it."""
-        if command.done and all(self.exists(p) for p in command.done):
+        if self.done(command):
             self.say(f"  skip: {command.title} (results exist: {', '.join(command.done)})")
             return None
         self.say(f"  run:  {command.title}")
@@ -97,6 +101,9 @@ class Runbook:
             return
         engine = self.config.engine
         self._execute([engine, "rm", "--force", srv.container], 120, f"{srv.container}-rm")
+        if self.executor.http_status(srv.health_url) is not None:
+            raise StepError(f"something already answers on {srv.health_url}: stop it, or "
+                            "give the runbook another --port")
         self.say(f"  serve: {srv.config} from {srv.image} on port {srv.port}")
         started = self._execute(srv.start, 600, f"{srv.container}-start", "server",
                                 {"config": srv.config})
@@ -130,7 +137,7 @@ class Runbook:
     def sessions(self, sessions: list[plan.Session]) -> None:
         for session in sessions:
             self.say(f"{session.title}")
-            if all(c.done and all(self.exists(p) for p in c.done) for c in session.commands):
+            if all(self.done(c) for c in session.commands):
                 self.say("  skip: all results exist")
                 continue
             with self.serving(session.server):

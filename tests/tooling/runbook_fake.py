@@ -39,6 +39,7 @@ class Scenario:
     kernel_bench_absent: bool = False
     no_pytest_in_b: bool = False  # a release image: no test requirements
     polls_until_ready: int = 3
+    port_taken: bool = False  # another server already answers on the port
 
 
 @dataclass
@@ -63,6 +64,8 @@ class RecordingExecutor:
         return Result(code, output)
 
     def http_status(self, url: str) -> int | None:
+        if self.serving is None:  # before the runbook started its server
+            return 200 if self.scenario.port_taken else None
         self._polls += 1
         if self.serving in (self.scenario.never_ready, self.scenario.server_exits):
             return None

@@ -294,6 +294,15 @@ def test_a_server_that_never_gets_ready_is_stopped_and_named(config, capsys):
     assert json.loads((config.out_dir / "tests/summary.json").read_text())["ok"] is True
 
 
+def test_a_port_in_use_is_named_before_any_server_starts(config, capsys):
+    code, executor, err = run(config, Scenario(port_taken=True), capsys)
+    assert code == 1
+    assert _one_line_failure(err, config.out_dir) == (
+        "runbook: profile: something already answers on http://127.0.0.1:8000/health: stop "
+        "it, or give the runbook another --port")
+    assert not commands_with(executor, "--detach")
+
+
 def test_a_server_that_exits_while_loading_is_named(config, capsys):
     code, _, err = run(config, Scenario(server_exits="ref"), capsys)
     assert code == 1
