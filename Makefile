@@ -17,7 +17,7 @@ help:
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make bench      time apply/check/patches against their goals (prints figures)"
 	@echo "make rocm-image [BASE_IMAGE=...] [IMAGE_TAG=...]   ROCm image: release image + overlay"
-	@echo "make rocm-source-image [BASE_IMAGE=...]            ROCm image: vLLM's Dockerfile.rocm on build/vllm"
+	@echo "make rocm-source-image [BASE_IMAGE=...] [DOCKER_TARGET=final|test]  ROCm image: vLLM's Dockerfile.rocm on build/vllm"
 	@echo "make build | lock | fetch | clean"
 
 apply:
@@ -61,7 +61,7 @@ fetch:
 clean:
 	$(STACK) clean
 
-# BASE_IMAGE, IMAGE_TAG and SMOKE_GCN_ARCH reach the script through the
+# BASE_IMAGE, IMAGE_TAG, SMOKE_GCN_ARCH and DOCKER_TARGET reach the script through the
 # environment (make exports command-line variables), never through the shell.
 rocm-image:
 	$(STACK) rocm-image

@@ -74,9 +74,12 @@ def overlay_build(layout: Layout, base: str, tag: str) -> Build:
 
 
 def source_builds(layout: Layout, context: Path, base: str, tag: str) -> list[Build]:
+    # `final` is the release image; `test` is what vLLM's ROCm CI tests in (it
+    # also needs CI_BASE_IMAGE), with pytest and vLLM's test requirements.
+    target = os.environ.get("DOCKER_TARGET") or "final"
     # Dockerfile.rocm uses RUN --mount: BuildKit (docker) or buildah (podman).
     source = Build(["build", "-f", SOURCE_RECIPE, "--build-arg", f"BASE_IMAGE={base}",
-                    "--build-arg", "REMOTE_VLLM=0", "--target", "final", "-t", tag, "."],
+                    "--build-arg", "REMOTE_VLLM=0", "--target", target, "-t", tag, "."],
                    context, {"DOCKER_BUILDKIT": "1"})
     return [source, overlay_build(layout, tag, f"{tag}-overlay-check")]
 

@@ -136,6 +136,13 @@ def test_source_recipe_builds_the_patched_tree_at_the_release_version(stacked, e
     assert version == V1
 
 
+def test_source_recipe_can_build_vllms_test_stage(stacked, engine):
+    result = make(stacked, "rocm-source-image", "DOCKER_TARGET=test")
+    assert result.returncode == 0, result.stderr
+    source, check = engine()
+    assert source["argv"][source["argv"].index("--target") + 1] == "test"
+
+
 def test_source_recipe_refuses_uncommitted_changes(stacked, engine):
     (stacked.tree / "vllm/models/foo.py").write_text("# local edit\n")
     result = stacked.run("rocm-image", "--source")
