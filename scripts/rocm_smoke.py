@@ -1,6 +1,6 @@
 """Smoke check of a ROCm image with the stack: the K3 DSpark drafter is the AMD one.
 
-`python3 -m scripts.rocm_smoke` runs inside a ROCm image after the overlay is
+`python3 scripts/rocm_smoke.py` runs inside a ROCm image after the overlay is
 installed (docker/Dockerfile.rocm-overlay's last step). vLLM picks the drafter
 class when `vllm.models.kimi_k3` is imported, from the current platform, and
 the model registry hands that class out for "K3DSparkModel"; both must be the
@@ -92,7 +92,7 @@ def make_rocm_current(gcn_arch: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m scripts.rocm_smoke", description=__doc__,
+    parser = argparse.ArgumentParser(prog="rocm_smoke.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gcn-arch", default="gfx942", choices=sorted(_GPUS),
                         help="GPU architecture to assume when no GPU is visible")

@@ -53,9 +53,14 @@ def install_line() -> str:
     return line
 
 
-def stack_dir_default() -> str:
+def smoke_line() -> str:
+    (line,) = [r for r in recipe_instructions(RECIPE.read_text(), "RUN") if "rocm_smoke" in r]
+    return line
+
+
+def arg_default(name: str) -> str:
     (arg,) = [a for a in recipe_instructions(RECIPE.read_text(), "ARG")
-              if a.startswith("STACK_DIR=")]
+              if a.startswith(f"{name}=")]
     return arg.split("=", 1)[1]
 
 
@@ -82,12 +87,15 @@ def image_python(site, tmp_path) -> Path:
     return bin_dir
 
 
-def run_install(image_python: Path) -> subprocess.CompletedProcess:
-    """The recipe's install RUN line, with STACK_DIR holding this project's
-    vllm_overlay/ and scripts/ (what the recipe's COPY lines put there)."""
+def run_install(image_python: Path, workdir: Path | str = "/",
+                line: str | None = None) -> subprocess.CompletedProcess:
+    """The recipe's install RUN line, with the recipe's build arguments in the
+    environment (STACK_DIR holding this project's vllm_overlay/ and scripts/,
+    what the recipe's COPY lines put there), in the base image's WORKDIR."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "K3_PROJECT_ROOT")}
-    env.update(PATH=f"{image_python}{os.pathsep}{env['PATH']}", STACK_DIR=str(ROOT))
-    return subprocess.run(["/bin/sh", "-c", install_line()], env=env, cwd="/",
+    env.update(PATH=f"{image_python}{os.pathsep}{env['PATH']}", STACK_DIR=str(ROOT),
+               SMOKE_GCN_ARCH=arg_default("SMOKE_GCN_ARCH"))
+    return subprocess.run(["/bin/sh", "-c", line or install_line()], env=env, cwd=workdir,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -123,7 +131,7 @@ def sha256(path: Path) -> str | None:
 def test_recipe_command_is_read_from_the_recipe():
     line = install_line()
     assert line.startswith('PYTHONPATH="${STACK_DIR}" python3 -m scripts install-overlay')
-    assert stack_dir_default() == "/opt/k3-dspark-stack"
+    assert arg_default("STACK_DIR") == "/opt/k3-dspark-stack"
 
 
 def test_recipe_installs_the_stack_and_the_amd_drafter_resolves(site, image_python):
@@ -139,6 +147,28 @@ def test_recipe_installs_the_stack_and_the_amd_drafter_resolves(site, image_pyth
     assert dispatch["vllm_file"] == str(site / "vllm" / "__init__.py")
     assert set(dispatch["modules"].values()) == {AMD_DRAFTER}
     assert dispatch["smoke"] == "ok"
+
+
+def test_a_vllm_folder_in_the_working_directory_does_not_shadow_the_image_one(
+        site, image_python, tmp_path):
+    """Some base images keep a vLLM source checkout in their WORKDIR."""
+    workdir = tmp_path / "app"
+    (workdir / "vllm").mkdir(parents=True)
+    (workdir / "vllm" / "__init__.py").write_text("# a source checkout, not installed\n")
+    result = run_install(image_python, workdir)
+    assert result.returncode == 0, result.stderr
+    assert f"installed {len(VLLM_ENTRIES)} file(s) into {site}" in result.stdout
+    assert sorted(p.name for p in (workdir / "vllm").iterdir()) == ["__init__.py"]
+
+
+def test_the_smoke_step_refuses_a_base_image_without_rocm_torch(site, image_python):
+    """The recipe's smoke RUN line, as written, on this CUDA build of torch:
+    the check needs the image's ROCm torch and says so in one line."""
+    assert run_install(image_python).returncode == 0
+    result = run_install(image_python, line=smoke_line())
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "rocm smoke check: FAILED: torch ") and "is not a ROCm build" in result.stderr
 
 
 def test_smoke_check_fails_on_the_release_without_the_overlay(site):
