@@ -46,7 +46,6 @@ class Server:
     start: list[str]
     port: int
     ready_timeout: float
-    env: dict
 
     @property
     def health_url(self) -> str:
@@ -59,10 +58,6 @@ class Session:
     commands: list[Command]
     server: Server | None = None
     note: str = ""
-
-
-def host_path(config: Config, container_path: str) -> Path:
-    return config.out_dir / Path(container_path).relative_to(IN_CONTAINER)
 
 
 def _env_flags(env: dict) -> list[str]:
@@ -100,8 +95,7 @@ def server(config: Config, label: str, *, speculative: bool = True,
     start = [config.engine, "run", "--detach", f"--name={container}", *GPU_FLAGS,
              *_mounts(config), *_env_flags(config.serve_env), f"--entrypoint={serve[0]}",
              image, *serve[1:]]
-    return Server(label, container, image, start, config.port, config.server_ready_timeout,
-                  config.serve_env)
+    return Server(label, container, image, start, config.port, config.server_ready_timeout)
 
 
 def in_server(config: Config, srv: Server, argv: list[str]) -> list[str]:
