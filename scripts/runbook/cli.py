@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -40,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="server environment, added to (or replacing in) "
                    + " ".join(f"{k}={v}" for k, v in defaults.serve_env.items()))
+    p.add_argument("--serve-args", default="",
+                   help="more `vllm serve` options for every server, e.g. "
+                        "'--kv-cache-dtype fp8 --max-model-len 32768'")
     p.add_argument("--output-lens", default=_csv(defaults.output_lens))
     p.add_argument("--concurrencies", default=_csv(defaults.concurrencies))
     p.add_argument("--input-len", type=int, default=defaults.input_len)
@@ -89,6 +93,7 @@ def config_from(layout: Layout, args: argparse.Namespace) -> Config:
         test_image=args.test_image,
         model=args.model, port=args.port, hf_cache=args.hf_cache.expanduser().resolve(),
         engine=args.engine, steps=tuple(s for s in known if s in chosen), serve_env=env,
+        serve_args=tuple(shlex.split(args.serve_args)),
         output_lens=_ints(args.output_lens, "--output-lens"),
         concurrencies=_ints(args.concurrencies, "--concurrencies"),
         input_len=args.input_len, dataset_args=tuple(args.dataset_args.split()),

@@ -51,6 +51,7 @@ class Config:
     model: str = TARGET_MODEL
     speculative_config: dict = field(default_factory=lambda: dict(SPECULATIVE_CONFIG))
     serve_env: dict = field(default_factory=lambda: dict(SERVE_ENV))
+    serve_args: tuple[str, ...] = ()  # more `vllm serve` options, for every server
     port: int = 8000
     hf_cache: Path = Path("~/.cache/huggingface").expanduser()
     engine: str = "docker"

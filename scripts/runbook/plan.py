@@ -84,7 +84,7 @@ def server(config: Config, label: str, *, speculative: bool = True,
     container = f"k3-runbook-{label.lower()}" + ("-profile" if profile_dir else "")
     serve = ["vllm", "serve", config.model, "--port", str(config.port),
              "--tensor-parallel-size", str(config.machine.tensor_parallel_size),
-             "--trust-remote-code", "--seed", "0"]
+             "--trust-remote-code", "--seed", "0", *config.serve_args]
     if speculative:
         serve += ["--speculative-config", config.speculative_json]
     if profile_dir:
@@ -250,6 +250,7 @@ def describe(config: Config) -> str:
         f"# target model:  {config.model}",
         f"# speculative:   {config.speculative_json}",
         f"# results:       {config.out_dir} (/runbook in the containers)",
+        f"# serve options: {shlex.join(config.serve_args) or '(none added)'}",
         f"# server env:    {' '.join(f'{k}={v}' for k, v in config.serve_env.items())}"
         f" (+ {', '.join(PASSED_ENV)} passed through by name)",
     ]

@@ -96,12 +96,17 @@ def test_options_choose_steps_grid_and_environment(tmp_path):
 
     args = cli.parser().parse_args([
         "--machine", "mi355x", "--steps", "report,sweep", "--output-lens", "128,2048",
-        "--concurrencies", "2", "--env", "VLLM_ROCM_USE_AITER_FP4BMM=1", "--out", str(tmp_path)])
+        "--concurrencies", "2", "--env", "VLLM_ROCM_USE_AITER_FP4BMM=1", "--out", str(tmp_path),
+        "--serve-args", "--kv-cache-dtype fp8 --max-model-len 32768"])
     config = cli.config_from(Layout(tmp_path), args)
     assert config.steps == ("sweep", "report")  # always in the runbook's order
     assert config.output_lens == (128, 2048) and config.concurrencies == (2,)
     assert config.serve_env["VLLM_ROCM_USE_AITER_FP4BMM"] == "1"
     assert config.machine.gcn_arch == "gfx950"
+    (session,) = plan.sweep(config, ("B",))
+    start = session.server.start
+    assert start[start.index("--seed") + 2:][:4] == ["--kv-cache-dtype", "fp8",
+                                                      "--max-model-len", "32768"]
 
 
 @pytest.mark.parametrize("argv, message", [
