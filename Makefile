@@ -4,17 +4,22 @@
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
-# What the user passes in TARGET, VLLM_VERSION and FORCE is data, never code:
-# taken literally ($(value): make expands nothing in it), handed to the scripts
-# through the environment and quoted there (the shell runs nothing in it).
-# FORCE counts only when given on the command line, not inherited.
+# What the user passes in TARGET, VLLM_VERSION, FORCE and the image variables
+# is data, never code: taken literally ($(value): make expands nothing in it),
+# handed to the scripts through the environment and quoted there (the shell
+# runs nothing in it). FORCE counts only when given on the command line.
 FORCED := $(filter command line,$(origin FORCE))
 override TARGET := $(value TARGET)
 override VLLM_VERSION := $(value VLLM_VERSION)
 override FORCE := $(value FORCE)
-export TARGET VLLM_VERSION
+override BASE_IMAGE := $(value BASE_IMAGE)
+override IMAGE_TAG := $(value IMAGE_TAG)
+override SMOKE_GCN_ARCH := $(value SMOKE_GCN_ARCH)
+override DOCKER_TARGET := $(value DOCKER_TARGET)
+export TARGET VLLM_VERSION BASE_IMAGE IMAGE_TAG SMOKE_GCN_ARCH DOCKER_TARGET
 
-.PHONY: help apply patches rebase drift overlay install-overlay build test check bench gpubench lock clean fetch
+.PHONY: help apply patches rebase drift overlay install-overlay build test check bench \
+        gpubench lock clean fetch rocm-image rocm-source-image
 
 help:
 	@echo "make apply      fetch pinned vLLM, apply patches/series -> build/vllm, vllm_overlay/"
@@ -26,6 +31,8 @@ help:
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make bench      time apply/check/patches against their goals (prints figures)"
 	@echo "make gpubench   time the stack's GPU kernels against the release (needs a GPU to run)"
+	@echo "make rocm-image [BASE_IMAGE=...] [IMAGE_TAG=...]   ROCm image: release image + overlay"
+	@echo "make rocm-source-image [BASE_IMAGE=...] [DOCKER_TARGET=final|test]  ROCm image: vLLM's Dockerfile.rocm on build/vllm"
 	@echo "make clean [FORCE=1]  remove build/ and the venvs (FORCE=1: also work only build/vllm holds)"
 	@echo "make build | lock | fetch"
 
@@ -72,3 +79,11 @@ fetch:
 
 clean:
 	$(STACK) clean $(if $(and $(FORCED),$(filter 1,$(FORCE))),--force)
+
+# BASE_IMAGE, IMAGE_TAG, SMOKE_GCN_ARCH and DOCKER_TARGET reach the script through the
+# environment (exported above), never through the shell.
+rocm-image:
+	$(STACK) rocm-image
+
+rocm-source-image:
+	$(STACK) rocm-image --source

@@ -47,8 +47,21 @@ def main(argv: list[str] | None = None) -> int:
     clean = sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
     clean.add_argument("--force", action="store_true",
                        help="also delete work that exists only in build/vllm (named first)")
-    args = parser.parse_args(argv)
+    image = sub.add_parser("rocm-image", help="build a ROCm image with the stack "
+                           "(BASE_IMAGE, IMAGE_TAG from the environment)")
+    image.add_argument("--source", action="store_true",
+                       help="vLLM's Dockerfile.rocm on build/vllm instead of the overlay recipe")
+    image.add_argument("--dry-run", action="store_true", help="print the commands only")
+    # Listed for --help; its own parser reads its options (scripts/runbook/cli.py).
+    sub.add_parser("runbook", help="the hardware runbook on a ROCm machine "
+                   "(docs/hardware-runbook.md); see `runbook --help`")
+    argv = sys.argv[1:] if argv is None else argv
     layout = Layout.default()
+    if argv[:1] == ["runbook"]:
+        from scripts.runbook.cli import main as runbook_main
+
+        return runbook_main(layout, argv[1:])
+    args = parser.parse_args(argv)
     try:
         if args.command in _UNLOCKED:
             return _dispatch(layout, args) or 0
@@ -135,6 +148,10 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
         from scripts.clean import clean
 
         clean(layout, force=args.force)
+    elif args.command == "rocm-image":
+        from scripts.rocm_image import build_image
+
+        build_image(layout, source=args.source, dry_run=args.dry_run)
     return None
 
 

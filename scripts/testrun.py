@@ -3,6 +3,7 @@
 Suites, in order:
 - tooling: tests of this repository's scripts (tests/tooling/);
 - lint: vLLM's pre-commit checks on the files the stack changes;
+- recipes: hadolint on the project's container recipes (docker/Dockerfile*);
 - stack: the vLLM test files the stack adds or changes, run in build/vllm;
 - prefix k/n: each shorter prefix of the stack, linted and with the vLLM test
   files it adds or changes, run in a worktree (scripts/prefixes.py);
@@ -54,6 +55,7 @@ def run_all(layout: Layout) -> int:
     outcomes = [
         _pytest(layout, "tooling", ["tests/tooling"], layout.root, results_dir),
         _lint(layout, base, layout.tree),
+        _hadolint(layout),
     ]
     if stack_tests:
         outcomes.append(_pytest(layout, "stack", stack_tests, layout.tree, results_dir))
@@ -158,6 +160,27 @@ def _lint(layout: Layout, base: str, tree: Path, suite: str = "lint") -> Outcome
         outcome.failed += not result.ok
     if not outcome.passed + outcome.failed:
         outcome.note = "the stack changes no files"
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+def _hadolint(layout: Layout) -> Outcome:
+    """The project's container recipes, linted by hadolint from .venv-lint."""
+    recipes = sorted((layout.root / "docker").glob("Dockerfile*"))
+    say(f"\n=== recipes: hadolint {' '.join(p.name for p in recipes)}")
+    start = time.monotonic()
+    outcome = Outcome("recipes")
+    hadolint = LINT.python(layout).parent / "hadolint"
+    for recipe in recipes:
+        proc = subprocess.run([str(hadolint), str(recipe)], capture_output=True, text=True)
+        ok = proc.returncode == 0
+        say(f"  {'ok  ' if ok else 'FAIL'} {recipe.relative_to(layout.root)}")
+        if not ok:
+            say("    " + (proc.stdout + proc.stderr).strip().replace("\n", "\n    "))
+        outcome.passed += ok
+        outcome.failed += not ok
+    if not recipes:
+        outcome.note = "no recipes in docker/"
     outcome.seconds = time.monotonic() - start
     return outcome
 

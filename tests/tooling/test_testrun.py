@@ -82,3 +82,35 @@ def test_pytest_without_any_test_counts_as_a_failure(tmp_path):
     venv_python.chmod(0o755)
     outcome = testrun._pytest(layout, "empty", ["empty"], tmp_path, tmp_path)
     assert outcome.failed == 1 and outcome.note == "pytest exited 5"
+
+
+def _real_hadolint() -> Path | None:
+    """hadolint from .venv-lint (requirements/lint.lock), or one on PATH."""
+    import shutil
+
+    from scripts.lock import LINT
+
+    installed = LINT.python(Layout.default()).parent / "hadolint"
+    found = installed if installed.exists() else shutil.which("hadolint")
+    return Path(found) if found else None
+
+
+def test_recipes_row_runs_hadolint_on_every_recipe(tmp_path, capsys):
+    hadolint = _real_hadolint()
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (make build puts it in .venv-lint)")
+    bin_dir = tmp_path / ".venv-lint" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "hadolint").symlink_to(hadolint)
+    docker = tmp_path / "docker"
+    docker.mkdir()
+    shipped = Path(testrun.__file__).parents[1] / "docker" / "Dockerfile.rocm-overlay"
+    (docker / "Dockerfile.rocm-overlay").write_text(shipped.read_text())
+    # Unpinned apt package, no --no-install-recommends, no list cleanup.
+    (docker / "Dockerfile.bad").write_text(
+        "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y curl\n")
+    outcome = testrun._hadolint(Layout(tmp_path))
+    assert (outcome.suite, outcome.passed, outcome.failed) == ("recipes", 1, 1)
+    out = capsys.readouterr().out
+    assert "ok   docker/Dockerfile.rocm-overlay" in out
+    assert "FAIL docker/Dockerfile.bad" in out and "DL3008" in out

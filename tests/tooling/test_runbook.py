@@ -1,0 +1,347 @@
+"""`python3 -m scripts runbook`: the plan, the steps on a recording ROCm machine,
+resuming, gating, and how bad input ends.
+
+The machine is tests/tooling/runbook_fake.py's RecordingExecutor: it answers
+each command with the files the real tools write (runbook_samples/), so what
+is tested is the runbook's own logic: which commands, in which order, what it
+concludes from their results and what it writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from scripts.runbook import cli, plan
+from scripts.runbook.config import MACHINES, SPECULATIVE_CONFIG, Config
+from tests.tooling.conftest import PYTHON, REPO
+from tests.tooling.runbook_fake import RecordingExecutor, Scenario, project_checkout
+
+
+@pytest.fixture
+def config(tmp_path) -> Config:
+    return Config(MACHINES["mi300x"], tmp_path / "out", project_checkout(tmp_path / "project"))
+
+
+def run(config: Config, scenario: Scenario | None = None, capsys=None):
+    executor = RecordingExecutor(config.out_dir, scenario or Scenario())
+    code = cli.run(config, executor, say=lambda _: None)
+    err = capsys.readouterr().err if capsys else ""
+    return code, executor, err
+
+
+def commands_with(executor: RecordingExecutor, *words: str) -> list[list[str]]:
+    return [c for c in executor.commands if all(w in c for w in words)]
+
+
+# --- the plan ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("machine, arch, gpu", [("mi300x", "gfx942", "MI300X"),
+                                                ("mi355x", "gfx950", "MI355X")])
+def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch, gpu):
+    out = tmp_path / "results"
+    result = subprocess.run(
+        [PYTHON, "-m", "scripts", "runbook", "--machine", machine, "--dry-run",
+         "--out", str(out), "--baseline-image", "registry/vllm-rocm:v0.33.0",
+         "--candidate-image", "registry/k3:ci", "--port", "8123"],
+        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert text.startswith(f"# K3 DSpark hardware runbook: plan for {machine} ({arch}, "
+                           f"AMD Instinct {gpu}, tensor parallel 8)")
+    headers = [ln for ln in text.splitlines() if ln.startswith("## ")]
+    assert headers == [
+        "## 0. preflight", "## 1. device tests (B)", "## 2. profile (B)",
+        "## 3. accuracy: target without speculative decoding (image A)",
+        "## 3. accuracy: baseline: vLLM release, NVIDIA drafter module on ROCm (image A)",
+        "## 3. accuracy: candidate: release + this stack's overlay, AMD drafter (image B)",
+        "## 4. sweep: baseline: vLLM release, NVIDIA drafter module on ROCm (image A)",
+        "## 4. sweep: candidate: release + this stack's overlay, AMD drafter (image B)",
+        "## 4b. kernel benchmark (B)", "## 5. report"]
+    commands = [ln[2:] for ln in text.splitlines() if ln.startswith("$ ")]
+    starts = [c for c in commands if c.startswith("docker run --detach")]
+    assert len(starts) == 6  # profile, ref, A, B, sweep A, sweep B
+    assert all("--tensor-parallel-size 8" in c and "--port 8123" in c for c in starts)
+    assert all("--env=HF_TOKEN " in c and "--env=VLLM_ROCM_USE_AITER=1" in c for c in starts)
+    spec = json.dumps(SPECULATIVE_CONFIG, separators=(", ", ": "))
+    assert sum(f"--speculative-config '{spec}'" in c for c in starts) == 5  # not ref
+    assert sum("registry/vllm-rocm:v0.33.0 serve" in c for c in starts) == 3  # ref, A, A
+    assert sum("registry/k3:ci serve" in c for c in starts) == 3
+    bench = [c for c in commands if " vllm bench serve " in c]
+    assert len(bench) == 1 + 2 * 3 * 4
+    assert "wait until http://127.0.0.1:8123/health answers 200" in text
+    lm_eval = [c for c in commands if "--model local-completions" in c]
+    assert len(lm_eval) == 3
+    assert all(c.startswith("docker run --rm --network=host ") and " -c 'python3 -m pip "
+               "install --quiet \"$0\" && exec lm_eval \"$@\"' 'lm_eval[api]==0.4.13' " in c
+               for c in lm_eval)
+    assert not out.exists()
+
+
+def test_sweep_cells_cover_output_length_times_concurrency(config):
+    sessions = plan.sweep(config)
+    cells = {(c.meta["config"], c.meta["output_len"], c.meta["concurrency"])
+             for s in sessions for c in s.commands}
+    assert cells == {(label, o, c) for label in ("A", "B") for o in (256, 1024, 4096)
+                     for c in (1, 4, 16, 64)}
+
+
+def test_options_choose_steps_grid_and_environment(tmp_path):
+    from scripts.common import Layout
+
+    args = cli.parser().parse_args([
+        "--machine", "mi355x", "--steps", "report,sweep", "--output-lens", "128,2048",
+        "--concurrencies", "2", "--env", "VLLM_ROCM_USE_AITER_FP4BMM=1", "--out", str(tmp_path),
+        "--serve-args", "--kv-cache-dtype fp8 --max-model-len 32768"])
+    config = cli.config_from(Layout(tmp_path), args)
+    assert config.steps == ("sweep", "report")  # always in the runbook's order
+    assert config.output_lens == (128, 2048) and config.concurrencies == (2,)
+    assert config.serve_env["VLLM_ROCM_USE_AITER_FP4BMM"] == "1"
+    assert config.machine.gcn_arch == "gfx950"
+    (session,) = plan.sweep(config, ("B",))
+    start = session.server.start
+    assert start[start.index("--seed") + 2:][:4] == ["--kv-cache-dtype", "fp8",
+                                                      "--max-model-len", "32768"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "tests,warmup"], "unknown step(s) warmup"),
+    (["--concurrencies", "1,x"], "--concurrencies '1,x': give positive integers"),
+    (["--env", "NOVALUE"], "--env 'NOVALUE': expected KEY=VALUE"),
+])
+def test_bad_options_end_with_one_line(tmp_path, argv, message):
+    result = subprocess.run([PYTHON, "-m", "scripts", "runbook", "--machine", "mi300x",
+                             "--dry-run", *argv], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.strip() == f"runbook: {message}" or message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# --- a whole run ------------------------------------------------------------------
+
+
+def test_a_full_run_writes_the_report(config, capsys):
+    code, executor, err = run(config, capsys=capsys)
+    assert code == 0, err
+    report = config.out_dir / "report"
+    names = {p.name for p in report.iterdir()}
+    assert {"summary.md", "sweep.csv", "ratios.csv", "accuracy.csv", "commands.log",
+            "plan.txt", "versions.json"} <= names
+    sweep = (report / "sweep.csv").read_text().splitlines()
+    assert len(sweep) == 1 + 24
+    summary = (report / "summary.md").read_text()
+    assert "- accuracy gate A: passed" in summary and "- accuracy gate B: passed" in summary
+    assert "- profile (B): every kernel expectation met" in summary
+    assert "| 4096 | 64 |" in summary and "B/A, geometric mean over 12 cells" in summary
+    # Every command is on record, in the order it ran, with its exit status.
+    log = (report / "commands.log").read_text().splitlines()
+    assert len(log) == len(executor.commands)
+    assert log[0].endswith("exit 0  1s  docker info")
+    lm_eval = [i for i, c in enumerate(executor.commands) if "local-completions" in c]
+    sweep = [i for i, c in enumerate(executor.commands) if "bench" in c
+             and "--profile" not in c]
+    assert len(lm_eval) == 3 and len(sweep) == 24 and max(lm_eval) < min(sweep)
+
+
+def test_plots_are_png_files_or_a_note_without_matplotlib(config, monkeypatch):
+    run(config)
+    report = config.out_dir / "report"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "Plots: none (matplotlib is not installed" in (report / "summary.md").read_text()
+    else:
+        for name in ("output_throughput.png", "mean_tpot_ms.png",
+                     "spec_decode_acceptance_length.png"):
+            assert (report / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The ROCm image may lack matplotlib: the report still comes, without plots.
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    for png in report.glob("*.png"):
+        png.unlink()
+    from scripts.runbook.report import write_report
+
+    write_report(config, config.out_dir)
+    assert not list(report.glob("*.png"))
+    assert "Plots: none (matplotlib is not installed" in (report / "summary.md").read_text()
+
+
+def test_a_second_run_resumes_and_measures_nothing_again(config):
+    run(config)
+    code, executor, _ = run(config)
+    assert code == 0
+    for word in ("local-completions", "bench", "pytest", "info"):
+        assert not any(word in c for c in executor.commands), word
+    assert not commands_with(executor, "--detach")
+
+
+def test_other_images_are_checked_again(config):
+    run(config)
+    config = dataclasses.replace(config, candidate_image="k3-dspark:rebuilt")
+    _, executor, _ = run(config, Scenario(missing_image="B"))
+    assert commands_with(executor, "image", "inspect", "--format={{.Id}}", "k3-dspark:rebuilt")
+
+
+def test_a_deleted_cell_is_measured_again_alone(config):
+    run(config)
+    (config.out_dir / "bench/B/c16-o1024.json").unlink()
+    code, executor, _ = run(config)
+    assert code == 0
+    bench = [c for c in executor.commands if "bench" in c]
+    assert len(bench) == 1 and "--result-filename=c16-o1024.json" in bench[0]
+    assert len(commands_with(executor, "--detach")) == 1  # only B's server
+
+
+# --- gates and expectations ----------------------------------------------------------
+
+
+def test_a_broken_drafter_fails_its_gate_and_gets_no_performance(config, capsys):
+    code, executor, err = run(config, Scenario(broken_drafter="B"), capsys)
+    assert code == 1
+    assert err.strip() == "runbook: an accuracy gate failed; see report/summary.md"
+    assert list((config.out_dir / "bench/A").glob("*.json"))
+    assert not (config.out_dir / "bench/B").exists()
+    assert not [c for c in executor.commands if "bench" in c and "runbook_config=B" in c
+                and "--profile" not in c]
+    gate = json.loads((config.out_dir / "accuracy/gate.json").read_text())
+    assert gate["gates"]["B"]["passed"] is False and gate["gates"]["A"]["passed"] is True
+    assert gate["results"]["B"]["repetitive"] == 0.5
+    summary = (config.out_dir / "report/summary.md").read_text()
+    assert "- accuracy gate B: FAILED: no performance is reported for it" in summary
+    assert "Not measured for B: failed the accuracy gate." in summary
+    assert "B/A, geometric mean" not in summary
+
+
+def test_a_skipped_rocm_only_test_fails_the_tests_step(config, capsys):
+    code, executor, err = run(config, Scenario(rocm_test_skipped=True), capsys)
+    assert code == 1
+    assert err.splitlines()[0] == (
+        "runbook: tests: ROCm-only test skipped on the ROCm machine: tests.models."
+        "test_dspark_mla_rocm::test_k3_dspark_rocm_decoder_builds_mla_wrapper (ROCm only); "
+        "see tests/summary.json")
+    summary = json.loads((config.out_dir / "tests/summary.json").read_text())
+    assert summary["ok"] is False and len(summary["rocm_only_skipped"]) == 1
+    assert not commands_with(executor, "--detach")  # nothing after the failed step
+
+
+def test_the_stacks_test_files_come_from_the_overlay_manifest(config):
+    (session,) = plan.tests(config)
+    argv = session.commands[0].argv
+    assert "tests/models/test_dspark_mla_rocm.py" in argv
+    assert argv[argv.index("--entrypoint=python3") + 2:][:5] == [
+        "-m", "pytest", "-v", "-rs", "-p"]
+    assert not [a for a in argv if a.startswith("vllm_overlay")]
+
+
+def test_b_without_pytest_asks_for_a_test_image(config, capsys):
+    code, _, err = run(config, Scenario(no_pytest_in_b=True), capsys)
+    assert code == 1
+    assert _one_line_failure(err, config.out_dir) == (
+        "runbook: preflight: image vllm-k3-dspark-rocm:v0.33.0-overlay has no pytest: give "
+        "--test-image, the overlay on vLLM's ROCm test image (make rocm-image "
+        "BASE_IMAGE=<that image>)")
+
+
+def test_a_test_image_runs_the_device_tests_and_is_checked(config):
+    config = dataclasses.replace(config, test_image="k3-dspark:rocm-test")
+    code, executor, _ = run(config, Scenario(no_pytest_in_b=True))
+    assert code == 0
+    (pytest_run,) = commands_with(executor, "pytest")
+    assert "k3-dspark:rocm-test" in pytest_run
+    assert commands_with(executor, "k3-dspark:rocm-test", "scripts.runbook.probe")
+    versions = json.loads((config.out_dir / "preflight/versions.json").read_text())
+    assert sorted(versions) == ["A", "B", "tests"]
+
+
+def test_missing_kernel_benchmark_is_skipped(config):
+    code, _, _ = run(config, Scenario(kernel_bench_absent=True))
+    assert code == 0
+    summary = json.loads((config.out_dir / "kernels/summary.json").read_text())
+    assert summary["available"] is False
+    assert "Skipped: the project has no such benchmark (optional)." in (
+        config.out_dir / "report/summary.md").read_text()
+
+
+# --- bad input: one line, results kept --------------------------------------------
+
+
+def _one_line_failure(err: str, out_dir: Path) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and "Traceback" not in err, err
+    assert lines[1] == (f"runbook: results so far are in {out_dir}; run the same command "
+                        "again to resume")
+    return lines[0]
+
+
+def test_a_missing_image_ends_with_one_line(config, capsys):
+    code, executor, err = run(config, Scenario(missing_image="B"), capsys)
+    assert code == 1
+    assert _one_line_failure(err, config.out_dir) == (
+        "runbook: preflight: image B exists: exited 1 (Error response from daemon: No such "
+        "image: vllm-k3-dspark-rocm:v0.33.0-overlay); log: logs/image-b-exists.log")
+    assert (config.out_dir / "report/summary.md").exists()
+
+
+def test_a_server_that_never_gets_ready_is_stopped_and_named(config, capsys):
+    code, executor, err = run(config, Scenario(never_ready="B"), capsys)
+    assert code == 1
+    assert _one_line_failure(err, config.out_dir) == (
+        "runbook: profile: server B (vllm-k3-dspark-rocm:v0.33.0-overlay) was not ready "
+        "after 3600 s (http://127.0.0.1:8000/health); its log: logs/k3-runbook-b-profile.log")
+    assert executor.commands[-2:] == [["docker", "logs", "k3-runbook-b-profile"],
+                                      ["docker", "rm", "--force", "k3-runbook-b-profile"]]
+    # What the earlier steps gathered stays.
+    assert json.loads((config.out_dir / "tests/summary.json").read_text())["ok"] is True
+
+
+def test_a_port_in_use_is_named_before_any_server_starts(config, capsys):
+    code, executor, err = run(config, Scenario(port_taken=True), capsys)
+    assert code == 1
+    assert _one_line_failure(err, config.out_dir) == (
+        "runbook: profile: something already answers on http://127.0.0.1:8000/health: stop "
+        "it, or give the runbook another --port")
+    assert not commands_with(executor, "--detach")
+
+
+def test_a_server_that_exits_while_loading_is_named(config, capsys):
+    code, _, err = run(config, Scenario(server_exits="ref"), capsys)
+    assert code == 1
+    assert _one_line_failure(err, config.out_dir).startswith(
+        "runbook: accuracy: server ref (vllm/vllm-openai-rocm:v0.33.0) exited before it was "
+        "ready; its log: logs/k3-runbook-ref.log")
+
+
+def test_a_malformed_result_file_is_named_and_the_rest_kept(config, capsys):
+    code, _, err = run(config, Scenario(malformed_bench=("B", 16, 1024)), capsys)
+    assert code == 1
+    bad = config.out_dir / "bench/B/c16-o1024.json"
+    line = _one_line_failure(err, config.out_dir)
+    assert line.startswith(f"runbook: sweep: {bad}: not valid JSON")
+    assert len(list((config.out_dir / "bench").glob("*/*.json"))) == 24
+    summary = (config.out_dir / "report/summary.md").read_text()
+    assert f"- unreadable: {bad}: not valid JSON" in summary
+    # Delete the bad file and run again: only that cell is measured.
+    bad.unlink()
+    code, executor, _ = run(config)
+    assert code == 0
+    assert len([c for c in executor.commands if "bench" in c]) == 1
+
+
+def test_the_committed_example_is_what_the_runbook_writes(tmp_path):
+    pytest.importorskip("matplotlib")  # the example has plots; .venv has matplotlib
+    from tests.tooling.runbook_fake import write_example
+
+    example = REPO / "docs" / "runbook-example"
+    write_example(tmp_path / "example", tmp_path / "scratch")
+    for name in ("summary.md", "sweep.csv", "ratios.csv", "accuracy.csv", "plan.txt",
+                 "commands.log", "versions.json"):
+        assert (tmp_path / "example" / name).read_text() == (example / name).read_text(), (
+            f"docs/runbook-example/{name} is stale: regenerate it with "
+            "`python3 -m tests.tooling.runbook_fake docs/runbook-example`")
+    assert {p.name for p in (tmp_path / "example").glob("*.png")} == {
+        p.name for p in example.glob("*.png")}
