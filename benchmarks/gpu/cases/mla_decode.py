@@ -18,7 +18,7 @@ measured in the same run. `main()` runs the case on its own, from a package
 laid out like the runner's (trees/<label>/vllm/..., with stand-ins for
 vllm.triton_utils and vllm.platforms):
 
-    python3 mla_decode.py [--shape TEXT] [--sweep] [--check]
+    python3 build/gpubench/cases/mla_decode.py [--shape TEXT] [--sweep] [--check]
 """
 
 from __future__ import annotations
@@ -476,6 +476,8 @@ def check_ragged(load_flat, load_new) -> None:
                         )
                     )
                     cases += 1
+                    print(f"  page {page} q{query_len} h{heads} {kv}: o {d_o:.1e} "
+                          f"lse {d_lse:.1e}", flush=True)
                     if not same_output(b_real, a_real) or not pad_same:
                         print(
                             f"MISMATCH page {page} q{query_len} h{heads} {kv}: "

@@ -1,0 +1,1135 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+
+# Adapted from
+# https://github.com/sgl-project/sglang/blob/9f635ea50de920aa507f486daafba26a5b837574/python/sglang/srt/layers/attention/triton_ops/decode_attention.py
+# which was originally adapted from
+# https://github.com/ModelTC/lightllm/blob/96353e868a840db4d103138caf15ed9dbea8c186/lightllm/models/deepseek2/triton_kernel/gqa_flash_decoding_stage1.py
+# https://github.com/ModelTC/lightllm/blob/96353e868a840db4d103138caf15ed9dbea8c186/lightllm/models/deepseek2/triton_kernel/gqa_flash_decoding_stage2.py
+
+# Changes:
+# - Add support for page size >= 1.
+
+# Copyright 2025 vLLM Team
+# Copyright 2023-2024 SGLang Team
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Memory-efficient attention for decoding.
+It supports page size >= 1.
+"""
+
+import functools
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+from packaging import version
+
+from vllm.platforms import current_platform
+from vllm.triton_utils import tl, triton
+
+is_hip_ = current_platform.is_rocm()
+
+logger = logging.getLogger(__name__)
+
+# Only print the following warnings when triton version < 3.2.0.
+# The issue won't affect performance or accuracy.
+if version.parse(triton.__version__) < version.parse("3.2.0"):
+    logger.warning(
+        "The following error message 'operation scheduled before its operands' "
+        "can be ignored."
+    )
+
+
+@triton.jit
+def tanh(x):
+    # Tanh is just a scaled sigmoid
+    return 2 * tl.sigmoid(2 * x) - 1
+
+
+def _page_stride(buf, page_size):
+    # Stride between pages. 4D buffers have a page dim; 3D buffers pack pages
+    # along the token dim, so split it out first. Read the real stride (a
+    # cross-layer view has gaps), don't assume PAGE_SIZE * token stride.
+    if buf.ndim == 3:
+        buf = buf.unflatten(-3, (-1, page_size))
+    return buf.stride(-4)
+
+
+@triton.jit
+def _fwd_kernel_stage1(
+    Q,
+    K_Buffer,
+    V_Buffer,
+    sm_scale,
+    Req_to_tokens,
+    B_Seqlen,
+    Att_Out,
+    stride_req_to_tokens_b,
+    stride_qbs,
+    stride_qh,
+    stride_buf_kpbs,
+    stride_buf_kbs,
+    stride_buf_kh,
+    stride_buf_vpbs,
+    stride_buf_vbs,
+    stride_buf_vh,
+    stride_mid_ob,
+    stride_mid_oh,
+    stride_mid_os,
+    k_scale,
+    v_scale,
+    kv_group_num: tl.constexpr,
+    BLOCK_DMODEL: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    logit_cap: tl.constexpr,
+    Lk: tl.constexpr,
+    Lv: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    split_kv_id = tl.program_id(2)
+
+    cur_kv_head = cur_head // kv_group_num
+
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < Lk
+    mask_dv = offs_dv < Lv
+    cur_batch_seq_len = tl.load(B_Seqlen + cur_batch)
+    cur_batch_req_idx = cur_batch
+
+    off_q = cur_batch * stride_qbs + cur_head * stride_qh + offs_d
+    q = tl.load(Q + off_q, mask=mask_d, other=0.0)
+
+    kv_len_per_split = tl.cdiv(cur_batch_seq_len, NUM_KV_SPLITS)
+    split_kv_start = kv_len_per_split * split_kv_id
+    split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
+
+    e_max = -float("inf")
+    e_sum = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+
+    if split_kv_end > split_kv_start:
+        ks = tl.load(k_scale)
+        vs = tl.load(v_scale)
+        for start_n in range(split_kv_start, split_kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kv_page_number = tl.load(
+                Req_to_tokens
+                + stride_req_to_tokens_b * cur_batch_req_idx
+                + offs_n // PAGE_SIZE,
+                mask=offs_n < split_kv_end,
+                other=0,
+            ).to(tl.int64)  # page_number * page stride overflows int32
+            kv_in_page = offs_n % PAGE_SIZE
+            offs_buf_k = (
+                (kv_page_number * stride_buf_kpbs + kv_in_page * stride_buf_kbs)[
+                    :, None
+                ]
+                + cur_kv_head * stride_buf_kh
+                + offs_d[None, :]
+            )
+            k = tl.load(
+                K_Buffer + offs_buf_k,
+                mask=(offs_n[:, None] < split_kv_end) & (mask_d[None, :]),
+                other=0.0,
+            )
+            if k.dtype.is_fp8():
+                k = (k.to(tl.float32) * ks).to(q.dtype)
+            qk = tl.sum(q[None, :] * k, 1)
+            qk *= sm_scale
+
+            if logit_cap > 0:
+                qk = logit_cap * tanh(qk / logit_cap)
+
+            qk = tl.where(offs_n < split_kv_end, qk, float("-inf"))
+
+            offs_buf_v = (
+                (kv_page_number * stride_buf_vpbs + kv_in_page * stride_buf_vbs)[
+                    :, None
+                ]
+                + cur_kv_head * stride_buf_vh
+                + offs_dv[None, :]
+            )
+            v = tl.load(
+                V_Buffer + offs_buf_v,
+                mask=(offs_n[:, None] < split_kv_end) & (mask_dv[None, :]),
+                other=0.0,
+            )
+            if v.dtype.is_fp8():
+                v = (v.to(tl.float32) * vs).to(q.dtype)
+
+            n_e_max = tl.maximum(tl.max(qk, 0), e_max)
+            re_scale = tl.exp(e_max - n_e_max)
+            p = tl.exp(qk - n_e_max)
+            acc *= re_scale
+            acc += tl.sum(p[:, None] * v, 0)
+
+            e_sum = e_sum * re_scale + tl.sum(p, 0)
+            e_max = n_e_max
+
+        offs_mid_o = (
+            cur_batch.to(tl.int64) * stride_mid_ob
+            + cur_head * stride_mid_oh
+            + split_kv_id * stride_mid_os
+            + offs_dv
+        )
+
+        tl.store(
+            Att_Out + offs_mid_o,
+            acc / e_sum,
+            mask=(mask_dv),
+        )
+
+        offs_mid_o_1 = (
+            cur_batch.to(tl.int64) * stride_mid_ob
+            + cur_head * stride_mid_oh
+            + split_kv_id * stride_mid_os
+            + Lv
+        )
+
+        tl.store(
+            Att_Out + offs_mid_o_1,
+            e_max + tl.log(e_sum),
+        )
+
+
+def _decode_att_m_fwd(
+    q,
+    k_buffer,
+    v_buffer,
+    att_out,
+    Req_to_tokens,
+    B_Seqlen,
+    num_kv_splits,
+    sm_scale,
+    page_size,
+    logit_cap,
+    k_scale,
+    v_scale,
+):
+    BLOCK = 64 if not is_hip_ else 8
+
+    NUM_KV_SPLITS = num_kv_splits
+    Lk = k_buffer.shape[-1]
+    Lv = v_buffer.shape[-1]
+
+    batch, head_num = q.shape[0], q.shape[1]
+
+    grid = (batch, head_num, NUM_KV_SPLITS)
+    kv_group_num = q.shape[1] // k_buffer.shape[-2]
+
+    num_warps = 4
+    if kv_group_num != 1:
+        num_warps = 1 if is_hip_ else 2
+
+    BLOCK_DMODEL = triton.next_power_of_2(Lk)
+    BLOCK_DV = triton.next_power_of_2(Lv)
+
+    _fwd_kernel_stage1[grid](
+        q,
+        k_buffer,
+        v_buffer,
+        sm_scale,
+        Req_to_tokens,
+        B_Seqlen,
+        att_out,
+        Req_to_tokens.stride(0),
+        q.stride(0),
+        q.stride(1),
+        _page_stride(k_buffer, page_size),
+        k_buffer.stride(-3),  # Assume (..., PAGE_SIZE, NUM_HEADS, HEAD_DIM)
+        k_buffer.stride(-2),  # Assume (..., PAGE_SIZE, NUM_HEADS, HEAD_DIM)
+        _page_stride(v_buffer, page_size),
+        v_buffer.stride(-3),  # Assume (..., PAGE_SIZE, NUM_HEADS, HEAD_DIM)
+        v_buffer.stride(-2),  # Assume (..., PAGE_SIZE, NUM_HEADS, HEAD_DIM)
+        att_out.stride(0),
+        att_out.stride(1),
+        att_out.stride(2),
+        k_scale,
+        v_scale,
+        kv_group_num=kv_group_num,
+        BLOCK_DMODEL=BLOCK_DMODEL,
+        BLOCK_DV=BLOCK_DV,
+        BLOCK_N=BLOCK,
+        NUM_KV_SPLITS=NUM_KV_SPLITS,
+        PAGE_SIZE=page_size,
+        logit_cap=logit_cap,
+        num_warps=num_warps,
+        num_stages=2,
+        Lk=Lk,
+        Lv=Lv,
+    )
+
+
+@triton.jit
+def _fwd_grouped_kernel_stage1(
+    Q,
+    K_Buffer,
+    V_Buffer,
+    sm_scale,
+    Req_to_tokens,
+    B_Seqlen,
+    Att_Out,
+    stride_req_to_tokens_b,
+    stride_qbs,
+    stride_qh,
+    stride_buf_kpbs,
+    stride_buf_kbs,
+    stride_buf_kh,
+    stride_buf_vpbs,
+    stride_buf_vbs,
+    stride_buf_vh,
+    stride_mid_ob,
+    stride_mid_oh,
+    stride_mid_os,
+    k_scale,
+    v_scale,
+    kv_group_num: tl.constexpr,
+    q_head_num: tl.constexpr,
+    BLOCK_DMODEL: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    logit_cap: tl.constexpr,
+    Lk: tl.constexpr,
+    Lv: tl.constexpr,
+    IS_MLA: tl.constexpr = False,
+):
+    cur_batch = tl.program_id(0)
+    cur_head_id = tl.program_id(1)
+    cur_kv_head = cur_head_id // tl.cdiv(kv_group_num, BLOCK_H)
+    split_kv_id = tl.program_id(2)
+
+    VALID_BLOCK_H: tl.constexpr = BLOCK_H if kv_group_num > BLOCK_H else kv_group_num
+    cur_head = cur_head_id * VALID_BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = cur_head < (cur_head_id + 1) * VALID_BLOCK_H
+    mask_h = mask_h & (cur_head < q_head_num)
+
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < Lk
+    mask_dv = offs_dv < Lv
+    cur_batch_seq_len = tl.load(B_Seqlen + cur_batch)
+    cur_batch_req_idx = cur_batch
+
+    offs_q = cur_batch * stride_qbs + cur_head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(
+        Q + offs_q,
+        mask=(mask_h[:, None]) & (mask_d[None, :]),
+        other=0.0,
+        cache_modifier=".ca",
+    )
+
+    if BLOCK_DPE > 0:
+        offs_dpe = BLOCK_DMODEL + tl.arange(0, BLOCK_DPE)
+        mask_dpe = offs_dpe < Lk
+        off_qpe = (
+            cur_batch * stride_qbs + cur_head[:, None] * stride_qh + offs_dpe[None, :]
+        )
+        qpe = tl.load(
+            Q + off_qpe,
+            mask=(mask_h[:, None]) & (mask_dpe[None, :]),
+            other=0.0,
+            cache_modifier=".ca",
+        )
+
+    kv_len_per_split = tl.cdiv(cur_batch_seq_len, NUM_KV_SPLITS)
+    split_kv_start = kv_len_per_split * split_kv_id
+    split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
+
+    e_max = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+
+    if split_kv_end > split_kv_start:
+        base_offs_k = cur_kv_head * stride_buf_kh + offs_d[:, None]
+        base_offs_v = cur_kv_head * stride_buf_vh + offs_dv[None, :]
+        if BLOCK_DPE > 0:
+            base_offs_kpe = cur_kv_head * stride_buf_kh + offs_dpe[:, None]
+
+        ks = tl.load(k_scale)
+        vs = tl.load(v_scale)
+        for start_n in tl.range(split_kv_start, split_kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            kv_page_number = tl.load(
+                Req_to_tokens
+                + stride_req_to_tokens_b * cur_batch_req_idx
+                + offs_n // PAGE_SIZE,
+                mask=offs_n < split_kv_end,
+                other=0,
+                cache_modifier=".ca",
+            ).to(tl.int64)  # page_number * page stride overflows int32
+            kv_off_k = (
+                kv_page_number * stride_buf_kpbs + (offs_n % PAGE_SIZE) * stride_buf_kbs
+            )
+
+            # explicitly facilitate overlapping load/compute
+            offs_buf_k = kv_off_k[None, :] + base_offs_k
+            k = tl.load(
+                K_Buffer + offs_buf_k,
+                mask=(offs_n[None, :] < split_kv_end) & (mask_d[:, None]),
+                other=0.0,
+                cache_modifier=".cg",
+            )
+
+            if k.dtype.is_fp8():
+                k = (k.to(tl.float32) * ks).to(q.dtype)
+            qk = tl.dot(q, k.to(q.dtype))
+            if BLOCK_DPE > 0:
+                offs_buf_kpe = kv_off_k[None, :] + base_offs_kpe
+                kpe = tl.load(
+                    K_Buffer + offs_buf_kpe,
+                    mask=(offs_n[None, :] < split_kv_end) & (mask_dpe[:, None]),
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                if kpe.dtype.is_fp8():
+                    kpe = (kpe.to(tl.float32) * ks).to(qpe.dtype)
+                qk += tl.dot(qpe, kpe.to(qpe.dtype))
+            qk *= sm_scale
+
+            if logit_cap > 0:
+                qk = logit_cap * tanh(qk / logit_cap)
+
+            qk = tl.where(
+                mask_h[:, None] & (offs_n[None, :] < split_kv_end), qk, float("-inf")
+            )
+
+            if not IS_MLA:
+                kv_off_v = (
+                    kv_page_number * stride_buf_vpbs
+                    + (offs_n % PAGE_SIZE) * stride_buf_vbs
+                )
+                offs_buf_v = kv_off_v[:, None] + base_offs_v
+                v = tl.load(
+                    V_Buffer + offs_buf_v,
+                    mask=(offs_n[:, None] < split_kv_end) & (mask_dv[None, :]),
+                    other=0.0,
+                )
+                if v.dtype.is_fp8():
+                    v = (v.to(tl.float32) * vs).to(q.dtype)
+            else:
+                # MLA uses a single c_kv.
+                # loading the same c_kv to interpret it as v is not necessary.
+                # transpose the existing c_kv (aka k) for the dot product.
+                v = tl.trans(k)
+
+            n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+            re_scale = tl.exp(e_max - n_e_max)
+            p = tl.exp(qk - n_e_max[:, None])
+            acc *= re_scale[:, None]
+            acc += tl.dot(p.to(v.dtype), v)
+
+            e_sum = e_sum * re_scale + tl.sum(p, 1)
+            e_max = n_e_max
+
+        offs_mid_o = (
+            cur_batch.to(tl.int64) * stride_mid_ob
+            + cur_head[:, None] * stride_mid_oh
+            + split_kv_id * stride_mid_os
+            + offs_dv[None, :]
+        )
+
+        tl.store(
+            Att_Out + offs_mid_o,
+            acc / e_sum[:, None],
+            mask=(mask_h[:, None]) & (mask_dv[None, :]),
+        )
+
+        offs_mid_o_1 = (
+            cur_batch.to(tl.int64) * stride_mid_ob
+            + cur_head * stride_mid_oh
+            + split_kv_id * stride_mid_os
+            + Lv
+        )
+
+        tl.store(
+            Att_Out + offs_mid_o_1,
+            e_max + tl.log(e_sum),
+            mask=mask_h,
+        )
+
+
+def _decode_grouped_att_m_fwd(
+    q,
+    k_buffer,
+    v_buffer,
+    att_out,
+    Req_to_tokens,
+    B_Seqlen,
+    num_kv_splits,
+    sm_scale,
+    page_size,
+    logit_cap,
+    k_scale,
+    v_scale,
+    is_mla=False,
+):
+    # with is_mla there is only a single c_kv in smem.
+    # could increase BLOCK or num_stages.
+    Lk = k_buffer.shape[-1]
+    Lv = v_buffer.shape[-1]
+
+    # Align tile dimensions with latent rank for MLA to avoid shape mismatch.
+    if is_mla:
+        if not is_hip_ and Lk == 576:
+            BLOCK_DMODEL = 512
+            BLOCK_DPE = 64
+        elif not is_hip_ and Lk == 288:
+            BLOCK_DMODEL = 256
+            BLOCK_DPE = 32
+        else:
+            BLOCK_DMODEL = triton.next_power_of_2(Lv)
+            BLOCK_DPE = triton.next_power_of_2(Lk - Lv) if Lk > Lv else 0
+    else:
+        BLOCK_DMODEL = triton.next_power_of_2(Lk)
+        BLOCK_DPE = 0
+    BLOCK_DV = triton.next_power_of_2(Lv)
+
+    BLOCK = 32
+    if is_hip_:
+        BLOCK = 16
+
+    batch, head_num = q.shape[0], q.shape[1]
+    kv_group_num = q.shape[1] // k_buffer.shape[-2]
+
+    BLOCK_H = 16
+    NUM_KV_SPLITS = num_kv_splits
+    grid = (
+        batch,
+        triton.cdiv(head_num, min(BLOCK_H, kv_group_num)),
+        NUM_KV_SPLITS,
+    )
+
+    extra_kargs = {}
+    num_stages = 2
+    if is_hip_:
+        # https://rocm.docs.amd.com/en/latest/how-to/rocm-for-ai/inference-optimization/workload.html#mi300x-triton-kernel-performance-optimization
+        # https://github.com/triton-lang/triton/blob/main/third_party/amd/backend/compiler.py
+        extra_kargs = {"waves_per_eu": 1, "matrix_instr_nonkdim": 16, "kpack": 2}
+        num_stages = 1
+    elif not is_hip_ and BLOCK_DMODEL >= 1024:
+        # Avoid shared memory overflow on NVIDIA when BLOCK_DMODEL is large
+        # like non-MLA D_QK=576, BLOCK_DMODEL=1024, BLOCK_H=16
+        # exceeds 101376 bytes limit
+        num_stages = 1
+
+    _fwd_grouped_kernel_stage1[grid](
+        q,
+        k_buffer,
+        v_buffer,
+        sm_scale,
+        Req_to_tokens,
+        B_Seqlen,
+        att_out,
+        Req_to_tokens.stride(0),
+        q.stride(0),
+        q.stride(1),
+        _page_stride(k_buffer, page_size),
+        k_buffer.stride(-3),  # Assume (..., PAGE_SIZE, NUM_HEADS, HEAD_DIM)
+        k_buffer.stride(-2),  # Assume (..., PAGE_SIZE, NUM_HEADS, HEAD_DIM)
+        _page_stride(v_buffer, page_size),
+        v_buffer.stride(-3),  # Assume (..., PAGE_SIZE, NUM_HEADS, HEAD_DIM)
+        v_buffer.stride(-2),  # Assume (..., PAGE_SIZE, NUM_HEADS, HEAD_DIM)
+        att_out.stride(0),
+        att_out.stride(1),
+        att_out.stride(2),
+        k_scale,
+        v_scale,
+        kv_group_num=kv_group_num,
+        q_head_num=head_num,
+        BLOCK_DMODEL=BLOCK_DMODEL,
+        BLOCK_DPE=BLOCK_DPE,
+        BLOCK_DV=BLOCK_DV,
+        BLOCK_N=BLOCK,
+        BLOCK_H=BLOCK_H,
+        NUM_KV_SPLITS=NUM_KV_SPLITS,
+        PAGE_SIZE=page_size,
+        logit_cap=logit_cap,
+        num_warps=4,
+        num_stages=num_stages,
+        Lk=Lk,
+        Lv=Lv,
+        IS_MLA=is_mla,
+        **extra_kargs,
+    )
+
+
+@triton.jit
+def _fwd_kernel_stage2(
+    Mid_O,
+    o,
+    lse,
+    B_Seqlen,
+    stride_mid_ob,
+    stride_mid_oh,
+    stride_mid_os,
+    stride_obs,
+    stride_oh,
+    stride_lse_bs,
+    NUM_KV_SPLITS: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    Lv: tl.constexpr,
+    OUTPUT_FP16: tl.constexpr = 0,
+):
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+
+    cur_batch_seq_len = tl.load(B_Seqlen + cur_batch)
+
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < Lv
+
+    e_sum = 0.0
+    e_max = -float("inf")
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+
+    offs_v = cur_batch.to(tl.int64) * stride_mid_ob + cur_head * stride_mid_oh + offs_d
+    offs_logic = cur_batch.to(tl.int64) * stride_mid_ob + cur_head * stride_mid_oh + Lv
+
+    for split_kv_id in range(0, NUM_KV_SPLITS):
+        kv_len_per_split = tl.cdiv(cur_batch_seq_len, NUM_KV_SPLITS)
+        split_kv_start = kv_len_per_split * split_kv_id
+        split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
+
+        if split_kv_end > split_kv_start:
+            tv = tl.load(
+                Mid_O + offs_v + split_kv_id * stride_mid_os, mask=mask_d, other=0.0
+            )
+            tlogic = tl.load(Mid_O + offs_logic + split_kv_id * stride_mid_os)
+            n_e_max = tl.maximum(tlogic, e_max)
+
+            old_scale = tl.exp(e_max - n_e_max)
+            acc *= old_scale
+            exp_logic = tl.exp(tlogic - n_e_max)
+            acc += exp_logic * tv
+
+            e_sum = e_sum * old_scale + exp_logic
+            e_max = n_e_max
+
+    result = acc / e_sum
+    if OUTPUT_FP16:
+        result = result.to(tl.float16)
+    tl.store(
+        o + cur_batch * stride_obs + cur_head * stride_oh + offs_d,
+        result,
+        mask=mask_d,
+    )
+    lse_val = e_max + tl.log(e_sum)
+    tl.store(
+        lse + cur_batch * stride_lse_bs + cur_head,
+        lse_val,
+    )
+
+
+def _decode_softmax_reducev_fwd(
+    logits,
+    q,
+    o,
+    lse,
+    v_buffer,
+    b_seq_len,
+    num_kv_splits,
+):
+    batch, head_num = q.shape[0], q.shape[1]
+    Lv = v_buffer.shape[-1]
+    BLOCK_DV = triton.next_power_of_2(Lv)
+
+    NUM_KV_SPLITS = num_kv_splits
+
+    extra_kargs = {}
+    if is_hip_:
+        # https://rocm.docs.amd.com/en/docs-6.2.0/how-to/llm-fine-tuning-optimization/optimizing-triton-kernel.html
+        # https://github.com/triton-lang/triton/blob/main/third_party/amd/backend/compiler.py
+        extra_kargs = {"waves_per_eu": 4, "matrix_instr_nonkdim": 16, "kpack": 2}
+
+    grid = (batch, head_num)
+    _fwd_kernel_stage2[grid](
+        logits,
+        o,
+        lse,
+        b_seq_len,
+        logits.stride(0),
+        logits.stride(1),
+        logits.stride(2),
+        o.stride(0),
+        o.stride(1),
+        lse.stride(0),
+        NUM_KV_SPLITS=NUM_KV_SPLITS,
+        BLOCK_DV=BLOCK_DV,
+        Lv=Lv,
+        num_warps=4,
+        num_stages=2,
+        **extra_kargs,
+    )
+
+
+def decode_attention_fwd_normal(
+    q,
+    k_buffer,
+    v_buffer,
+    o,
+    lse,
+    req_to_token,
+    b_seq_len,
+    attn_logits,
+    num_kv_splits,
+    sm_scale,
+    page_size,
+    logit_cap=0.0,
+    k_scale=None,
+    v_scale=None,
+):
+    _decode_att_m_fwd(
+        q,
+        k_buffer,
+        v_buffer,
+        attn_logits,
+        req_to_token,
+        b_seq_len,
+        num_kv_splits,
+        sm_scale,
+        page_size,
+        logit_cap,
+        k_scale,
+        v_scale,
+    )
+    _decode_softmax_reducev_fwd(
+        attn_logits, q, o, lse, v_buffer, b_seq_len, num_kv_splits
+    )
+
+
+def decode_attention_fwd_grouped(
+    q,
+    k_buffer,
+    v_buffer,
+    o,
+    lse,
+    req_to_token,
+    b_seq_len,
+    attn_logits,
+    num_kv_splits,
+    sm_scale,
+    page_size,
+    logit_cap=0.0,
+    k_scale=None,
+    v_scale=None,
+    is_mla=False,
+):
+    _decode_grouped_att_m_fwd(
+        q,
+        k_buffer,
+        v_buffer,
+        attn_logits,
+        req_to_token,
+        b_seq_len,
+        num_kv_splits,
+        sm_scale,
+        page_size,
+        logit_cap,
+        k_scale,
+        v_scale,
+        is_mla=is_mla,
+    )
+    _decode_softmax_reducev_fwd(
+        attn_logits, q, o, lse, v_buffer, b_seq_len, num_kv_splits
+    )
+
+
+def decode_attention_fwd(
+    q,
+    k_buffer,
+    v_buffer,
+    o,
+    lse,
+    req_to_token,
+    b_seq_len,
+    attn_logits,
+    num_kv_splits,
+    sm_scale,
+    page_size=1,
+    logit_cap=0.0,
+    k_scale=None,
+    v_scale=None,
+    is_mla=False,
+):
+    assert num_kv_splits == attn_logits.shape[2]
+
+    if k_scale is None:
+        k_scale = torch.tensor(1.0, dtype=torch.float32, device=q.device)
+    if v_scale is None:
+        v_scale = torch.tensor(1.0, dtype=torch.float32, device=q.device)
+
+    kv_group_num = q.shape[1] // v_buffer.shape[-2]
+
+    if kv_group_num == 1:
+        # MHA
+        decode_attention_fwd_normal(
+            q,
+            k_buffer,
+            v_buffer,
+            o,
+            lse,
+            req_to_token,
+            b_seq_len,
+            attn_logits,
+            num_kv_splits,
+            sm_scale,
+            page_size,
+            logit_cap,
+            k_scale,
+            v_scale,
+        )
+    else:
+        # GQA/MQA/MLA
+        decode_attention_fwd_grouped(
+            q,
+            k_buffer,
+            v_buffer,
+            o,
+            lse,
+            req_to_token,
+            b_seq_len,
+            attn_logits,
+            num_kv_splits,
+            sm_scale,
+            page_size,
+            logit_cap,
+            k_scale,
+            v_scale,
+            is_mla=is_mla,
+        )
+
+
+# Non-causal multi-token MLA decode (a speculative draft block).
+#
+# Every query row of a request attends the same KV span, so one program takes a
+# tile of the request's query_len x num_heads rows and reads each KV tile once
+# for all of them, with tl.dot on the whole row tile. The KV range is split
+# across programs (split-K) as far as it pays to fill the GPU; stage 2 above
+# merges the partial results.
+
+
+@dataclass(frozen=True)
+class _MLABlockTile:
+    block_m: int  # query rows per program
+    block_n: int  # KV tokens per iteration
+    num_warps: int
+    num_stages: int
+
+
+# Tiles measured best on an H200 (512 + 64 latent, pages of 64), by query rows
+# per program and KV dtype. A 64-row tile needs 8 warps: its fp32 accumulator
+# (64 x 512) is 128 registers a thread there. Shared memory at 576-wide rows:
+# the query tile (72 KiB at 64 rows) plus the KV stages (bf16: 2 x 72 KiB;
+# fp8: 72 KiB loaded to registers and converted into 144 KiB), 216 KiB in all,
+# within the 227 KiB of Hopper and datacenter Blackwell.
+_MLA_BLOCK_TILES_LARGE_SMEM = {
+    (64, False): _MLABlockTile(64, 64, 8, 2),
+    (64, True): _MLABlockTile(64, 128, 8, 1),
+    (32, False): _MLABlockTile(32, 64, 4, 2),
+    (32, True): _MLABlockTile(32, 32, 4, 2),
+}
+_LARGE_SMEM_BYTES = 216 * 1024
+# Elsewhere (A100: 164 KiB, consumer parts: ~100 KiB): 32 rows and 32 KV
+# tokens, 70-74 KiB as compiled for an H200 (2 x 36 KiB of KV stages; the
+# query tile passes through shared memory once).
+_MLA_BLOCK_TILE_SMALL_SMEM = _MLABlockTile(32, 32, 4, 2)
+# ROCm (CDNA3: 64 KiB of LDS), one stage like the grouped kernel: the MFMA
+# operands pass through LDS, 36 KiB of query once and 18 KiB of KV a tile.
+_MLA_BLOCK_TILE_ROCM = _MLABlockTile(32, 16, 4, 1)
+
+# A split reads at least this many KV tokens, and costs this many more for
+# writing and merging its partial output and loading the query tile.
+_MLA_BLOCK_MIN_SPLIT_TOKENS = 128
+_MLA_BLOCK_SPLIT_OVERHEAD_TOKENS = 256
+
+
+@functools.cache
+def _max_shared_memory(device_index: int) -> int:
+    driver = triton.runtime.driver.active
+    return driver.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+def _mla_block_tile(
+    rows: int, kv_dtype: torch.dtype, device: torch.device
+) -> _MLABlockTile:
+    """The tile for a request's `rows` query rows (query_len x num_heads)."""
+    rows_per_tile = min(64, max(16, triton.next_power_of_2(rows)))
+    if is_hip_:
+        tile = _MLA_BLOCK_TILE_ROCM
+    # CPU tensors run in Triton's interpreter, where any tile fits.
+    elif device.type == "cpu" or (
+        device.type == "cuda" and _max_shared_memory(device.index) >= _LARGE_SMEM_BYTES
+    ):
+        fp8 = kv_dtype.itemsize == 1
+        tile = _MLA_BLOCK_TILES_LARGE_SMEM[(max(32, rows_per_tile), fp8)]
+    else:
+        tile = _MLA_BLOCK_TILE_SMALL_SMEM
+    return replace(tile, block_m=min(tile.block_m, rows_per_tile))
+
+
+def mla_block_decode_num_kv_splits(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    num_reqs: int,
+    max_seq_len: int,
+    num_sms: int,
+    max_kv_splits: int,
+) -> int:
+    """KV splits for decode_attention_fwd_mla_block: the power of 2 (at most
+    max_kv_splits) with the shortest estimated run, waves of programs times
+    the work of one program."""
+    rows = q.shape[0] // num_reqs * q.shape[1]
+    tile = _mla_block_tile(rows, kv_buffer.dtype, q.device)
+    num_programs = num_reqs * triton.cdiv(rows, tile.block_m)
+    best_splits, best_cost = 1, float("inf")
+    splits = 1
+    while splits <= max_kv_splits and (
+        splits == 1 or triton.cdiv(max_seq_len, splits) >= _MLA_BLOCK_MIN_SPLIT_TOKENS
+    ):
+        waves = triton.cdiv(num_programs * splits, num_sms)
+        work = triton.cdiv(max_seq_len, splits) + _MLA_BLOCK_SPLIT_OVERHEAD_TOKENS
+        if waves * work < best_cost:
+            best_splits, best_cost = splits, waves * work
+        splits *= 2
+    return best_splits
+
+
+@triton.jit
+def _fwd_mla_block_kernel_stage1(
+    Q,
+    KV_Buffer,
+    sm_scale_log2,
+    Block_Table,
+    Seq_Lens,
+    Att_Out,
+    kv_scale,
+    query_len,
+    stride_block_table,
+    stride_q_token,
+    stride_q_head,
+    stride_kv_page,
+    stride_kv_token,
+    stride_mid_req,
+    stride_mid_row,
+    stride_mid_split,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    Lk: tl.constexpr,
+    Lv: tl.constexpr,
+):
+    row_tile = tl.program_id(0)
+    split_kv_id = tl.program_id(1)
+    req = tl.program_id(2)
+
+    seq_len = tl.load(Seq_Lens + req)
+    kv_len_per_split = tl.cdiv(seq_len, NUM_KV_SPLITS)
+    split_kv_start = kv_len_per_split * split_kv_id
+    split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, seq_len)
+
+    if split_kv_end > split_kv_start:
+        # Row m of the request is draft token m // NUM_HEADS, head m % NUM_HEADS.
+        offs_m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < query_len * NUM_HEADS
+        offs_q = (req * query_len + offs_m // NUM_HEADS) * stride_q_token + (
+            offs_m % NUM_HEADS
+        ) * stride_q_head
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_dv = offs_dv < Lv
+        q = tl.load(
+            Q + offs_q[:, None] + offs_dv[None, :],
+            mask=mask_m[:, None] & mask_dv[None, :],
+            other=0.0,
+        )
+        if BLOCK_DPE > 0:
+            offs_dpe = Lv + tl.arange(0, BLOCK_DPE)
+            mask_dpe = offs_dpe < Lk
+            q_pe = tl.load(
+                Q + offs_q[:, None] + offs_dpe[None, :],
+                mask=mask_m[:, None] & mask_dpe[None, :],
+                other=0.0,
+            )
+
+        # An fp8 cache is multiplied by its scale after the dots rather than
+        # before: the latent is both K and V, read once in the query's dtype.
+        # Like the grouped kernel, a 16-bit cache ignores the scale.
+        scale = 1.0
+        if KV_Buffer.dtype.element_ty.is_fp8():
+            scale = tl.load(kv_scale)
+        qk_scale = sm_scale_log2 * scale
+        e_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        block_table = Block_Table + req * stride_block_table
+        # When pages hold whole KV tiles, tiles start on a multiple of BLOCK_N
+        # (the first one masked below the split) and each reads one page.
+        TILES_IN_PAGES: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+        loop_start = split_kv_start
+        if TILES_IN_PAGES:
+            loop_start = split_kv_start // BLOCK_N * BLOCK_N
+        for start_n in tl.range(loop_start, split_kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = (offs_n >= split_kv_start) & (offs_n < split_kv_end)
+            if TILES_IN_PAGES:
+                page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
+                offs_kv = (
+                    page * stride_kv_page
+                    + (start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)) * stride_kv_token
+                )
+            else:
+                pages = tl.load(
+                    block_table + offs_n // PAGE_SIZE, mask=mask_n, other=0
+                ).to(tl.int64)  # page number * page stride overflows int32
+                offs_kv = (
+                    pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
+                )
+            kv = tl.load(
+                KV_Buffer + offs_kv[:, None] + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :],
+                other=0.0,
+            ).to(q.dtype)
+            qk = tl.dot(q, tl.trans(kv))
+            if BLOCK_DPE > 0:
+                k_pe = tl.load(
+                    KV_Buffer + offs_kv[:, None] + offs_dpe[None, :],
+                    mask=mask_n[:, None] & mask_dpe[None, :],
+                    other=0.0,
+                ).to(q.dtype)
+                qk = tl.dot(q_pe, tl.trans(k_pe), qk)
+            qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+
+            n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+            re_scale = tl.exp2(e_max - n_e_max)
+            p = tl.exp2(qk - n_e_max[:, None])
+            e_sum = e_sum * re_scale + tl.sum(p, 1)
+            acc = tl.dot(p.to(q.dtype), kv, acc * re_scale[:, None])
+            e_max = n_e_max
+
+        offs_mid = (
+            req.to(tl.int64) * stride_mid_req
+            + offs_m * stride_mid_row
+            + split_kv_id * stride_mid_split
+        )
+        tl.store(
+            Att_Out + offs_mid[:, None] + offs_dv[None, :],
+            acc * (scale / e_sum[:, None]),
+            mask=mask_m[:, None] & mask_dv[None, :],
+        )
+        # The LSE in natural-log units, as stage 2 and the callers expect.
+        tl.store(
+            Att_Out + offs_mid + Lv,
+            (e_max + tl.log2(e_sum)) * 0.6931471805599453,
+            mask=mask_m,
+        )
+
+
+def decode_attention_fwd_mla_block(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    attn_logits: torch.Tensor,
+    sm_scale: float,
+    page_size: int,
+    kv_scale: torch.Tensor,
+) -> None:
+    """MLA decode of a non-causal block of query_len tokens per request.
+
+    Equals decode_attention_fwd(is_mla=True) on the block flattened to one row
+    per token (each row with its request's block table row and sequence
+    length), up to floating-point reordering, but reads the KV once per tile
+    of a request's rows instead of once per row and per 16 heads.
+
+    q: [num_reqs * query_len, num_heads, Lk], a request's tokens adjacent.
+    kv_buffer: the latent cache, [num_pages, page_size, 1, Lk]; the first Lv
+        columns are the latent (K and V), the rest the rope part of K.
+    o, lse: contiguous [num_reqs * query_len, num_heads(, Lv)] outputs.
+    block_table, seq_lens: one row per request.
+    attn_logits: contiguous fp32 scratch [num_reqs * query_len, num_heads,
+        num_kv_splits, Lv + 1]; see mla_block_decode_num_kv_splits.
+    kv_scale: the scale of an fp8 cache (a 16-bit cache ignores it).
+    """
+    num_reqs = seq_lens.shape[0]
+    num_tokens, num_heads, Lk = q.shape
+    Lv = o.shape[-1]
+    query_len = num_tokens // num_reqs
+    rows = query_len * num_heads
+    assert num_tokens == num_reqs * query_len
+
+    tile = _mla_block_tile(rows, kv_buffer.dtype, q.device)
+    num_row_tiles = triton.cdiv(rows, tile.block_m)
+    num_kv_splits = attn_logits.shape[2]
+    # Per request, its rows are contiguous in the outputs and the scratch.
+    mid = attn_logits.view(num_reqs, rows, *attn_logits.shape[2:])
+    o_rows = o.view(num_reqs, rows, Lv)
+
+    extra_kargs = {}
+    if is_hip_:
+        extra_kargs = {"waves_per_eu": 1, "matrix_instr_nonkdim": 16, "kpack": 2}
+    _fwd_mla_block_kernel_stage1[(num_row_tiles, num_kv_splits, num_reqs)](
+        q,
+        kv_buffer,
+        sm_scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        block_table,
+        seq_lens,
+        mid,
+        kv_scale,
+        query_len,
+        block_table.stride(0),
+        q.stride(0),
+        q.stride(1),
+        _page_stride(kv_buffer, page_size),
+        kv_buffer.stride(-3),
+        mid.stride(0),
+        mid.stride(1),
+        mid.stride(2),
+        NUM_HEADS=num_heads,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_DV=triton.next_power_of_2(Lv),
+        BLOCK_DPE=triton.next_power_of_2(Lk - Lv) if Lk > Lv else 0,
+        NUM_KV_SPLITS=num_kv_splits,
+        PAGE_SIZE=page_size,
+        Lk=Lk,
+        Lv=Lv,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        **extra_kargs,
+    )
+    # Stage 2 merges the splits per (request, row). Its launcher reads only the
+    # grid (q's first two dims) and Lv from the tensors it is given.
+    _decode_softmax_reducev_fwd(
+        mid,
+        o_rows,
+        o_rows,
+        lse.view(num_reqs, rows),
+        o_rows,
+        seq_lens,
+        num_kv_splits,
+    )
