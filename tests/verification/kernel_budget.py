@@ -33,10 +33,12 @@ model``. What is counted, and where the count stops:
 * the attention layer is run for real up to and including its call into the
   attention backend, plus its KV-cache write (``concat_and_cache_mla`` on AMD,
   the fused decode epilogue on NVIDIA). Both sides use TRITON_MLA; its
-  attention kernel (``decode_attention_fwd``, two Triton kernels) is replaced
-  by a stand-in counted as one launch, ``attention::decode_attention_fwd``,
-  shared by both sides. The backend's own preparation (output buffers, the
-  per-row block table) is counted on both sides;
+  attention kernel (``decode_attention_fwd``, or in a patched tree the
+  non-causal block kernel ``decode_attention_fwd_mla_block``; two Triton
+  kernels each) is replaced by a stand-in counted as one launch,
+  ``attention::triton_mla_decode``, on both sides. The backend's own
+  preparation (output buffers, 0.33.0's per-row block table and lengths) is
+  counted on both sides;
 * a Triton kernel launched by the drafter counts once per launch, as
   ``triton::<kernel>`` (the launch is recorded, the kernel not run);
 * a function vLLM compiles on its own (``CustomOp.maybe_compile``) counts
@@ -150,6 +152,9 @@ CONFIGS = [
 # --------------------------------------------------------------------------
 
 
+ATTENTION = "attention::triton_mla_decode"
+
+
 def _kernel_name(kernel) -> str:
     fn = kernel
     while not isinstance(fn, types.FunctionType) and hasattr(fn, "fn"):
@@ -178,11 +183,13 @@ def _install_stand_ins() -> None:
 
     triton_jit.KernelInterface.__getitem__ = launcher
 
-    def decode_attention_fwd(*args, **kwargs):
-        with opaque_launch("attention::decode_attention_fwd"):
+    def triton_mla_decode(*args, **kwargs):
+        with opaque_launch(ATTENTION):
             pass
 
-    triton_mla.decode_attention_fwd = decode_attention_fwd
+    # The flat kernel, and (in trees that have it) the non-causal block kernel.
+    triton_mla.decode_attention_fwd = triton_mla_decode
+    triton_mla.decode_attention_fwd_mla_block = triton_mla_decode
 
     maybe_compile = CustomOp.maybe_compile
 
