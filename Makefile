@@ -4,17 +4,29 @@
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
-.PHONY: help apply patches rebase drift overlay install-overlay build test check bench lock clean fetch
+.PHONY: help apply patches rebase drift overlay install-overlay build test check bench lock clean fetch export
+
+# SIGNOFF reaches Python verbatim through the environment: unexpanded by make
+# (`unexport`, $(value)) and single-quoted for the shell, a newline as the two
+# characters \n, which the export refuses.
+unexport SIGNOFF
+define newline
+
+
+endef
+shell_quote = '$(subst $(newline),\n,$(subst ','\'',$(1)))'
 
 help:
 	@echo "make apply      fetch pinned vLLM, apply patches/series -> build/vllm, vllm_overlay/"
 	@echo "make test       build .venv (if needed) and run every test suite"
+	@echo "                (reuses rows whose inputs passed before; FRESH=1 runs them all)"
 	@echo "make check      fast self-check of the stack (no venv)"
 	@echo "make patches    export build/vllm's commits back to patches/ (maintainers)"
 	@echo "make rebase VLLM_VERSION=x.y.z   move the stack to another vLLM release"
 	@echo "make drift [VLLM_VERSION=x.y.z]  try the stack on the newest release (changes nothing)"
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make bench      time apply/check/patches against their goals (prints figures)"
+	@echo "make export SIGNOFF=\"Name <email>\"  one folder per patch for upstream -> build/export/"
 	@echo "make build | lock | fetch | clean"
 
 apply:
@@ -41,7 +53,10 @@ build: apply
 	$(STACK) build
 
 test: build
-	$(STACK) test
+	$(STACK) test $(if $(filter 1 yes true,$(FRESH)),--fresh)
+
+export:
+	@K3_SIGNOFF=$(call shell_quote,$(value SIGNOFF)) $(STACK) export
 
 check:
 	$(STACK) check
