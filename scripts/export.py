@@ -232,7 +232,8 @@ def independence(tree: Path, base: str, patch_files: list[Path],
         uses = {m for f in earlier for m in f.modules if m in mine.added_text}
         uses |= used_words & new_names & set().union(*(f.defines for f in earlier))
         if alone and not shared and not uses:
-            verdicts.append(f"applies alone to {base}, shares no file with patches 1-{k} "
+            before = "patch 1" if k == 1 else f"patches 1-{k}"
+            verdicts.append(f"applies alone to {base}, shares no file with {before} "
                             "and uses no module, function or class they add")
         else:
             verdicts.append(None)
@@ -276,6 +277,11 @@ def pr_description(template: str, message: Message, notes: Message,
     return _fill(template, filled)
 
 
+def _hex(commit: str) -> str:
+    """A commit id as git takes it (setuptools-scm writes it with a "g" in front)."""
+    return commit[1:] if re.fullmatch(r"g[0-9a-f]{7,40}", commit) else commit
+
+
 def _title(subject: str) -> str:
     return re.sub(r"^(\[[^][]+\])+ +", "", subject)
 
@@ -314,7 +320,7 @@ def validation_text(summary: dict | None, tree_of_patch: str, k: int,
     rows = [r for r in summary["rows"] if r["vllm_tree"] == tree_of_patch]
     if not rows:
         missing = (f"the latest `make test` ({shown_date(summary['started'])}) did not test "
-                   f"{scope}: run `make test`, then `make export`")
+                   "this patch's tree: run `make test`, then `make export`")
         return f"_{missing[0].upper()}{missing[1:]}._", missing
     lines = [f"`make test` of the K3 DSpark patch stack on {scope}, CPU only (no GPU; "
              "ROCm-only tests are collected and skipped):", "",
@@ -335,7 +341,7 @@ def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[di
           summary: dict | None) -> str:
     first = [e for e in entries[1:] if e["independent"]]
     lines = [f"# K3 DSpark drafter on ROCm: {len(entries)} pull requests for vLLM", "",
-             f"Base: vLLM {pin_version} (upstream commit `{pin_commit}`). Every patch is "
+             f"Base: vLLM {pin_version} (upstream commit `{_hex(pin_commit)}`). Every patch is "
              f"authored and signed off by {submitter}; the project's identity stays as "
              "`Co-authored-by:`.", "",
              "Send them in this order. Each needs the ones before it unless its line says "
@@ -413,6 +419,7 @@ def _write_series(layout: Layout, staging: Path, patches: list[Patch], commits: 
     tree = layout.tree
     width = max(2, len(str(len(patches))))
     entries = []
+    problems: dict[str, list[int]] = {}  # what the submitter must know -> patch numbers
     with scratch_objects(tree) as objects, scratch_index(tree, base, objects) as index:
         parent = git(tree, "rev-parse", base).stdout.strip()
         for k, (patch, commit) in enumerate(zip(patches, commits), start=1):
@@ -431,20 +438,22 @@ def _write_series(layout: Layout, staging: Path, patches: list[Patch], commits: 
             message = Message.parse(git(tree, "log", "-1", "--format=%B", commit).stdout)
             notes = read_notes(layout, patch)
             if not any(h.lower().startswith("claims") for h, _ in notes.sections):
-                warn(f"{patch.name}: no '## Claims' in "
-                     f"{rel(layout.patches_dir / NOTES, layout)}/{patch.path.stem}.md; "
-                     "PR.md claims the title only")
-            validation, problem = validation_text(summary, tree_of_patch, k, len(patches))
-            if problem:
-                warn(f"{patch.name}: {problem}")
+                problems.setdefault(f"no '## Claims' in {rel(layout.patches_dir, layout)}/"
+                                    f"{NOTES}/<patch>.md: PR.md claims the title only",
+                                    []).append(k)
+            validation, missing = validation_text(summary, tree_of_patch, k, len(patches))
+            if missing:
+                problems.setdefault(missing, []).append(k)
             description, unfilled = pr_description(template, message, notes, validation)
-            if unfilled:
-                warn(f"{patch.name}: PR.md leaves the template's "
-                     f"{', '.join(repr(h) for h in unfilled)} section(s) for you to fill")
+            for heading in unfilled:
+                problems.setdefault(f"PR.md leaves the template's {heading!r} section "
+                                    "for you to fill", []).append(k)
             (staging / folder / "PR.md").write_text(description)
             entries.append({"k": k, "folder": folder, "subject": message.subject,
                             "file": out})
         verdicts = independence(tree, base, [e["file"] for e in entries], objects)
+    for problem, numbers in problems.items():
+        warn(f"{problem} (patch {', '.join(map(str, numbers))})")
     for entry, verdict in zip(entries, verdicts):
         entry["independent"] = verdict if entry["k"] > 1 else None
     return entries

@@ -178,10 +178,7 @@ class ResultStore:
             record = json.loads((self.dir / "green" / f"{key}.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
-        outcome = record.get("outcome", {})
-        if record.get("key") != key or outcome.get("failed", 1) != 0:
-            return None
-        return record
+        return record if record.get("key") == key and "outcome" in record else None
 
     def record_green(self, key: str, material: dict, outcome: dict) -> None:
         if outcome["failed"]:

@@ -322,8 +322,10 @@ def _summary(layout: Layout, base: str, started: str, wall: float, fresh: bool,
              results: list[tuple[Row, str, Outcome]]) -> dict:
     """build/test-results/summary.json (read by `make bench` and `make export`)."""
     tree = layout.tree
-    rows = [{**asdict(outcome), "key": key, "vllm_tree": row.tree}
+    rows = [{"name": row.name, **asdict(outcome), "key": key, "vllm_tree": row.tree}
             for row, key, outcome in results]
+    for r in rows:
+        del r["suite"]
     return {
         "format": FORMAT,
         "started": started,
