@@ -130,7 +130,12 @@ def read_notes(layout: Layout, patch: Patch) -> Message:
     path = layout.patches_dir / NOTES / f"{patch.path.stem}.md"
     if not path.exists():
         return Message("", "", [], [])
-    preamble, sections = split_sections(path.read_text())
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise StackError(f"{rel(path, layout)} is not UTF-8 text; save it as UTF-8 and "
+                         "run `make export` again")
+    preamble, sections = split_sections(text)
     return Message("", preamble, sections, [])
 
 
