@@ -201,7 +201,7 @@ _WORD = re.compile(r"[A-Za-z_]\w*")
 @dataclass
 class PatchFacts:
     files: set[str]
-    modules: set[str]  # dotted names and paths of the .py files it adds
+    modules: set[str]  # dotted names of the .py modules it adds
     defines: set[str]  # functions, classes and top-level names it adds
     added_text: str  # its added lines
 
@@ -211,8 +211,7 @@ class PatchFacts:
         modules = set()
         for path in _NEW_FILE.findall(text):
             if path.endswith(".py"):
-                dotted = path[:-3].removesuffix("/__init__").replace("/", ".")
-                modules |= {dotted, path}
+                modules.add(path[:-3].removesuffix("/__init__").replace("/", "."))
         defines = {a or b for a, b in _DEFINED.findall(text)}
         added = "\n".join(ln[1:] for ln in text.splitlines()
                           if ln.startswith("+") and not ln.startswith("+++"))
@@ -234,7 +233,7 @@ def independence(tree: Path, base: str, patch_files: list[Path],
             alone = applies(tree, path, env, check=True)
         shared = mine.files & set().union(*(f.files for f in earlier))
         used_words = set(_WORD.findall(mine.added_text)) - mine.defines
-        uses = {m for f in earlier for m in f.modules if m in mine.added_text}
+        uses = {m for f in earlier for m in f.modules if _imports(mine.added_text, m)}
         uses |= used_words & new_names & set().union(*(f.defines for f in earlier))
         if alone and not shared and not uses:
             before = "patch 1" if k == 1 else f"patches 1-{k}"
@@ -243,6 +242,16 @@ def independence(tree: Path, base: str, patch_files: list[Path],
         else:
             verdicts.append(None)
     return verdicts
+
+
+def _imports(text: str, module: str) -> bool:
+    """Whether `text` names `module` (dotted, as a path, or `from package import leaf`)."""
+    if module in text or module.replace(".", "/") + ".py" in text:
+        return True
+    package, _, leaf = module.rpartition(".")
+    return bool(package) and re.search(
+        rf"from\s+{re.escape(package)}\s+import\s+\(?[\w\s,]*\b{re.escape(leaf)}\b",
+        text) is not None
 
 
 def _names_new_to(tree: Path, base: str, names: set[str]) -> set[str]:

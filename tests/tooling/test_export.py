@@ -66,8 +66,8 @@ PATCHES = [
                  "tests/test_foo.py": TEST_FOO_PATCHED}),
     ("[ROCm] Add the new model", {"vllm/models/new.py": NEW_MODEL,
                                   "vllm/models/many.py": MANY.replace("A1 = 1", "A1 = 10")}),
-    ("[ROCm] Use the new model", {"vllm/models/user.py": (
-        "from vllm.models.new import new_model\n\n\ndef use():\n    return new_model()\n")}),
+    ("[ROCm] List the new model", {"vllm/models/user.py": (
+        "from vllm.models import new\n\nMODELS = [new]\n")}),
     ("[ROCm] Bar calls the helper", {"vllm/models/bar.py": (
         "from vllm.models import foo\n\n\ndef bar():\n    return foo.helper()\n")}),
     ("[Doc] Say what foo is", {"vllm/models/foo.py": (
@@ -79,7 +79,7 @@ PATCHES = [
         "\"\"\"vLLM, described.\"\"\"\nfrom vllm._version import __version__\n")}),
 ]
 STEMS = ["rocm-model-use-a-larger-block-in-foo", "rocm-add-the-new-model",
-         "rocm-use-the-new-model", "rocm-bar-calls-the-helper", "doc-say-what-foo-is",
+         "rocm-list-the-new-model", "rocm-bar-calls-the-helper", "doc-say-what-foo-is",
          "rocm-change-the-last-constant", "bugfix-describe-vllm"]
 
 _TEMPLATE: dict[str, Path] = {}
