@@ -63,7 +63,8 @@ class Person:
 def parse_signoff(value: str) -> Person:
     usage = 'usage: make export SIGNOFF="Your Name <you@your.domain>"'
     if not value.strip():
-        raise StackError(f"SIGNOFF is missing: the person who submits signs off each patch; {usage}")
+        raise StackError("SIGNOFF is missing: the person who submits signs off each "
+                         f"patch; {usage}")
     match = _SIGNOFF.match(value)
     shown = ascii(value) if len(value) <= 120 else ascii(value[:117] + "...")
     if (not match or any(ch in value for ch in "\r\n\t\x00")

@@ -7,8 +7,8 @@ cannot be left out:
   vllm_overlay/) and prose no test reads (README.md, docs/): so scripts/,
   tests/, requirements/*.lock, pin.toml (hence the wheel's kernels), pytest.ini;
 - the pristine release's git tree id, the two venvs (pyvenv.cfg and the build
-  stamp recording the installed lock and tree), the interpreter and platform,
-  and the environment variables that steer vLLM, torch or pytest.
+  stamp recording the installed lock and tree), the interpreter, platform and
+  git version, and the environment variables that steer vLLM, torch or pytest.
 The row adds the git tree id of the vLLM tree it tests (required; None only
 for a row that never reads one), the command it runs, and any other project
 path it reads.
@@ -142,7 +142,8 @@ class KeyContext:
             "project": digest_paths(layout.root),
             "base_tree": tree_id(layout.tree, base),
             "venvs": venvs,
-            "platform": [platform.platform(), platform.machine(), sys.version],
+            "platform": [platform.platform(), platform.machine(), sys.version,
+                         git(layout.tree, "--version").stdout.strip()],
             "environment": steering,
         })
 

@@ -82,8 +82,9 @@ class Outcome:
     @classmethod
     def from_record(cls, suite: str, record: dict) -> Outcome:
         saved = record["outcome"]
-        return cls(suite, saved["passed"], saved["failed"], saved["skipped"], 0.0,
-                   saved["note"], [Part(**p) for p in saved["parts"]],
+        return cls(suite, passed=saved["passed"], failed=saved["failed"],
+                   skipped=saved["skipped"], note=saved["note"],
+                   parts=[Part(**p) for p in saved["parts"]],
                    reused={"date": record["date"], "key": record["key"],
                            "seconds": saved["seconds"]})
 
@@ -322,10 +323,11 @@ def _summary(layout: Layout, base: str, started: str, wall: float, fresh: bool,
              results: list[tuple[Row, str, Outcome]]) -> dict:
     """build/test-results/summary.json (read by `make bench` and `make export`)."""
     tree = layout.tree
-    rows = [{"name": row.name, **asdict(outcome), "key": key, "vllm_tree": row.tree}
-            for row, key, outcome in results]
-    for r in rows:
-        del r["suite"]
+    rows = []
+    for row, key, outcome in results:
+        counts = asdict(outcome)
+        del counts["suite"]  # the row's name
+        rows.append({"name": row.name, **counts, "key": key, "vllm_tree": row.tree})
     return {
         "format": FORMAT,
         "started": started,

@@ -194,8 +194,9 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
     assert "- Foo is 4x faster on MI300." in sections["## Claims"]
     validation = sections["## Validation"]
     for text in ("### Test Plan", "pytest tests/test_foo.py", "### Test Result",
-                 "### Automated checks", "| `pytest -q tests/test_foo.py` | vLLM tree | 3 | 0 | 1 "
-                 "| 2026-01-02 03:04 UTC |", "| `vLLM pre-commit: ruff check` | vLLM tree | 9 | 0 | 0",
+                 "### Automated checks",
+                 "| `pytest -q tests/test_foo.py` | vLLM tree | 3 | 0 | 1 | 2026-01-02 03:04 UTC |",
+                 "| `vLLM pre-commit: ruff check` | vLLM tree | 9 | 0 | 0",
                  "### Hardware test plan (MI300/MI355 reviewers)", "foo benchmark on an MI300"):
         assert text in validation
     for text in ("### Background", "overflowed the shared memory", "### Design",
@@ -206,7 +207,8 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
     assert pr.endswith(checklist) and "[x]" not in pr
     assert "<!-- Summarize" not in pr and "<!-- Explain" not in pr
     last = (folder(series, 7) / "PR.md").read_text()
-    assert "| `pytest -q tests/test_foo.py` | vLLM tree | 5 | 0 | 2 | 2026-02-03 04:05 UTC |" in last
+    assert ("| `pytest -q tests/test_foo.py` | vLLM tree | 5 | 0 | 2 | 2026-02-03 04:05 UTC |"
+            in last)
     assert "- Describe vLLM." in last  # no notes file: the title is the claim
     untested = (folder(series, 2) / "PR.md").read_text()
     assert "did not test this patch's tree: run `make test`, then `make export`" in untested
@@ -232,9 +234,10 @@ def test_cover_lists_the_order_and_which_patches_can_go_first(series):
 
 
 BAD_SIGNOFFS = ["", "Ada Lovelace", "Ada <ada>", "<ada@lovelace.dev>", "Ada <ada@example.com>",
-                "Ada <ada@lovelace.invalid>", "Ada\n<ada@lovelace.dev>", "Ada\\n <ada@lovelace.dev>",
-                "Ada $(id) <ada@lovelace.dev>", "Ada `id` <ada@lovelace.dev>",
-                "Ada <ada@lovelace.dev>; rm -rf ~", "Ada <ada@lovelace.dev> <eve@evil.dev>"]
+                "Ada <ada@lovelace.invalid>", "Ada\n<ada@lovelace.dev>",
+                "Ada\\n <ada@lovelace.dev>", "Ada $(id) <ada@lovelace.dev>",
+                "Ada `id` <ada@lovelace.dev>", "Ada <ada@lovelace.dev>; rm -rf ~",
+                "Ada <ada@lovelace.dev> <eve@evil.dev>"]
 
 
 @pytest.mark.parametrize("signoff", BAD_SIGNOFFS, ids=range(len(BAD_SIGNOFFS)))
@@ -288,7 +291,7 @@ def test_a_new_export_replaces_the_old_one_whole_or_not_at_all(series):
     # here patch 3's notes cannot be read, after patches 1 and 2 were written.
     before = snapshot(series.root / "build" / "export")
     notes = series.patches / "notes" / f"{STEMS[2]}.md"
-    notes.write_bytes(b"## Claims\n\n- caf\xe9\n")
+    notes.write_bytes(b"## Claims\n\n- \xe9t\xe9\n")  # latin-1
     result = export(series)
     assert result.returncode == 1
     assert result.stderr.strip() == (f"error: patches/notes/{STEMS[2]}.md is not UTF-8 "

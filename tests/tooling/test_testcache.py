@@ -32,7 +32,8 @@ from tests.tooling.conftest import (
 )
 
 TEST_BAR = "from vllm.models.bar import bar\n\n\ndef test_bar():\n    assert bar() == 'bar'\n"
-TEST_NEW = "from vllm.models.new import new_model\n\n\ndef test_new():\n    assert new_model() == 42\n"
+TEST_NEW = ("from vllm.models.new import new_model\n\n\n"
+            "def test_new():\n    assert new_model() == 42\n")
 TOOLING_TEST = "def test_tool():\n    assert True\n"
 # Fails while the file FAKE_VERIFY_NEEDS names is missing: an outside condition
 # (a flaky machine) that is no input of the key.
@@ -84,7 +85,8 @@ def _make_suite_project(project) -> None:
     for venv in (layout.venv, layout.lint_venv):
         python = venv / "bin" / "python"
         python.parent.mkdir(parents=True)
-        python.write_text(f'#!/bin/sh\necho "$*" >> "$FAKE_RUN_LOG"\nexec "{sys.executable}" "$@"\n')
+        python.write_text('#!/bin/sh\necho "$*" >> "$FAKE_RUN_LOG"\n'
+                          f'exec "{sys.executable}" "$@"\n')
         python.chmod(0o755)
 
 
@@ -274,8 +276,9 @@ def test_fresh_runs_every_row(suites, monkeypatch, how):
 @pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
 @pytest.mark.parametrize(("value", "flag"), [("1", True), ("", False), ("0", False)])
 def test_make_test_fresh_passes_the_flag(value, flag):
-    dry = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO), f"PYTHON={PYTHON}", "test",
-                          f"FRESH={value}"], capture_output=True, text=True, timeout=60)
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "-C", str(REPO),
+                          f"PYTHON={PYTHON}", "test", f"FRESH={value}"],
+                         capture_output=True, text=True, timeout=60)
     last = dry.stdout.strip().splitlines()[-1]
     assert last.endswith("-m scripts test --fresh" if flag else "-m scripts test")
 
