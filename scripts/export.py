@@ -221,13 +221,15 @@ class PatchFacts:
 
 def independence(tree: Path, base: str, patch_files: list[Path],
                  objects: dict[str, str]) -> list[str | None]:
-    """Per patch, None if it needs the ones before it, else the evidence that it does not."""
+    """Per patch after the first, None if it needs the ones before it, else the
+    evidence that it does not. (Sharing no file implies applying alone when the
+    series applies; the apply is checked anyway, as COVER.md states it.)"""
     facts = [PatchFacts.of(p.read_text(errors="replace")) for p in patch_files]
     new_names = _names_new_to(tree, base, set().union(*(f.defines for f in facts)))
     verdicts: list[str | None] = []
     for k, (path, mine) in enumerate(zip(patch_files, facts)):
         if k == 0:
-            verdicts.append("it is the first")
+            verdicts.append(None)  # nothing before it
             continue
         earlier = facts[:k]
         with scratch_index(tree, base, objects) as env:
@@ -239,7 +241,7 @@ def independence(tree: Path, base: str, patch_files: list[Path],
         if alone and not shared and not uses:
             before = "patch 1" if k == 1 else f"patches 1-{k}"
             verdicts.append(f"applies alone to {base}, shares no file with {before} "
-                            "and uses no module, function or class they add")
+                            "and uses no module, function or class added there")
         else:
             verdicts.append(None)
     return verdicts
@@ -470,7 +472,7 @@ def _write_series(layout: Layout, staging: Path, patches: list[Patch], commits: 
     for problem, numbers in problems.items():
         warn(f"{problem} (patch {', '.join(map(str, numbers))})")
     for entry, verdict in zip(entries, verdicts):
-        entry["independent"] = verdict if entry["k"] > 1 else None
+        entry["independent"] = verdict
     return entries
 
 
