@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from scripts.common import Layout
+from scripts.common import Layout, run
 from scripts.gitrepo import git
 from scripts.lock import ENVIRONMENTS
 
@@ -71,7 +71,7 @@ def digest_paths(root: Path, paths: list[str] | None = None) -> str:
     """sha256 over the names, exec bits and contents of files under `root`.
 
     `paths` (files or folders relative to root) default to the whole project
-    but NOT_PROJECT_INPUTS.
+    but NOT_PROJECT_INPUTS. A deleted tracked file counts as "missing".
     """
     digest = hashlib.sha256()
     for relpath in _input_files(root, paths):
@@ -87,11 +87,11 @@ def digest_paths(root: Path, paths: list[str] | None = None) -> str:
 
 
 def _input_files(root: Path, paths: list[str] | None) -> list[str]:
-    tops = sorted(paths) if paths is not None else sorted(
-        p.name for p in root.iterdir()
-        if p.name not in NOT_PROJECT_INPUTS | _NEVER)
+    if paths is None:
+        return [f for f in _project_files(root)
+                if f.split("/", 1)[0] not in NOT_PROJECT_INPUTS]
     files = []
-    for top in tops:
+    for top in sorted(paths):
         start = root / top
         if not start.is_dir() or start.is_symlink():
             files.append(top)
@@ -101,6 +101,18 @@ def _input_files(root: Path, paths: list[str] | None) -> list[str]:
             base = Path(dirpath).relative_to(root)
             files += [(base / f).as_posix() for f in filenames if not f.endswith(".pyc")]
     return sorted(files)
+
+
+def _project_files(root: Path) -> list[str]:
+    """The project's files as git sees them (tracked, or new and not ignored), so
+    that outputs and editor or cache folders never change a key; every file but
+    _NEVER when the project is not a git checkout."""
+    top = run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], check=False)
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
+        return _input_files(root, [p.name for p in root.iterdir() if p.name not in _NEVER])
+    listed = run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                  "--exclude-standard"]).stdout
+    return sorted({f for f in listed.split("\0") if f})
 
 
 def tree_id(tree: Path, rev: str) -> str:

@@ -209,6 +209,24 @@ def test_prose_and_the_exported_patches_are_no_inputs(suites):
     assert _ran(suites) == set()
 
 
+def test_in_a_git_checkout_ignored_files_are_no_inputs_and_new_ones_are(suites):
+    """The project's files are what git lists: a cache folder the project
+    ignores changes no key; a new test file nobody committed yet does."""
+    (suites.root / ".gitignore").write_text("/build/\n/.venv*/\n/.my-cache/\n")
+    suites.git("init", "-q", cwd=suites.root)
+    suites.git("add", "-A", cwd=suites.root)
+    suites.git("commit", "-q", "-m", "the project", cwd=suites.root)
+    assert _test(suites) == 0
+    assert _ran(suites) == ALL_ROWS  # .gitignore is a new file
+    (suites.root / ".my-cache").mkdir()
+    (suites.root / ".my-cache" / "mypy.json").write_text("{}")
+    assert _test(suites) == 0
+    assert _ran(suites) == set()
+    (suites.root / "tests/tooling/test_more.py").write_text(TOOLING_TEST)
+    assert _test(suites) == 0
+    assert _ran(suites) == ALL_ROWS
+
+
 def test_a_row_reruns_when_an_input_it_declares_changes(suites, monkeypatch):
     """A row from another suite declares what else it reads; only that row reruns."""
     def rows(layout, base, results_dir, prefixes):
