@@ -67,9 +67,8 @@ def parse_signoff(value: str) -> Person:
                          f"patch; {usage}")
     match = _SIGNOFF.match(value)
     shown = ascii(value) if len(value) <= 120 else ascii(value[:117] + "...")
-    if (not match or any(ch in value for ch in "\r\n\t\x00")
-            or not any(ch.isalpha() for ch in match.group("name"))
-            or any(not ch.isprintable() for ch in value)):
+    if (not match or not value.isprintable()  # no newline, tab or other control
+            or not any(ch.isalpha() for ch in match.group("name"))):
         raise StackError(f"SIGNOFF {shown} is not `Name <email>` (a plain name, one "
                          f"address in angle brackets); {usage}")
     if _RESERVED_DOMAINS.search(match.group("email").split("@", 1)[1]):
@@ -83,22 +82,20 @@ def parse_signoff(value: str) -> Person:
 
 @dataclass
 class Message:
-    """A commit message: subject, the sections under `## ` headings, trailers."""
+    """A commit message or notes file: subject, text before the first `## `
+    heading, and the sections under `## ` headings."""
 
     subject: str
     preamble: str
     sections: list[tuple[str, str]]
-    trailers: list[str]
 
     @classmethod
     def parse(cls, text: str) -> Message:
         subject, _, body = text.strip("\n").partition("\n")
         paragraphs = body.strip("\n").split("\n\n")
-        trailers: list[str] = []
         if paragraphs and all(_TRAILER.match(ln) for ln in paragraphs[-1].splitlines()):
-            trailers = paragraphs.pop().splitlines()
-        preamble, sections = split_sections("\n\n".join(paragraphs))
-        return cls(subject.strip(), preamble, sections, trailers)
+            paragraphs.pop()  # Signed-off-by and the like: not PR text
+        return cls(subject.strip(), *split_sections("\n\n".join(paragraphs)))
 
     def take(self, *prefixes: str) -> list[tuple[str, str]]:
         """Remove and return the sections whose heading starts with one of `prefixes`."""
@@ -130,14 +127,13 @@ def split_sections(markdown: str) -> tuple[str, list[tuple[str, str]]]:
 def read_notes(layout: Layout, patch: Patch) -> Message:
     path = layout.patches_dir / NOTES / f"{patch.path.stem}.md"
     if not path.exists():
-        return Message("", "", [], [])
+        return Message("", "", [])
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise StackError(f"{rel(path, layout)} is not UTF-8 text; save it as UTF-8 and "
                          "run `make export` again")
-    preamble, sections = split_sections(text)
-    return Message("", preamble, sections, [])
+    return Message("", *split_sections(text))
 
 
 # --- re-signing -----------------------------------------------------------------
@@ -272,8 +268,11 @@ def _names_new_to(tree: Path, base: str, names: set[str]) -> set[str]:
 
 def pr_description(template: str, message: Message, notes: Message,
                    validation: str) -> tuple[str, list[str]]:
-    """The template with each known `## ` section filled, and the headings left as they are."""
-    purpose = "\n\n".join(text for _, text in message.take("purpose"))
+    """The template with each known `## ` section filled, and the headings left as they are.
+
+    Every section of the message and the notes lands somewhere (they are consumed)."""
+    opening = [message.preamble] if message.preamble else []
+    purpose = "\n\n".join(opening + [text for _, text in message.take("purpose")])
     overview, _, background = purpose.partition("\n\n")
     claims = "\n\n".join(text for _, text in notes.take("claims"))
     if not claims:
@@ -289,7 +288,7 @@ def pr_description(template: str, message: Message, notes: Message,
         "overview": overview or _title(message.subject),
         "claims": claims,
         "validation": _join(plans + results + [("Automated checks", validation)] + hardware),
-        "details": _join(details) if details else message.preamble,
+        "details": _join(details),
     }
     return _fill(template, filled)
 
