@@ -19,11 +19,22 @@ override DOCKER_TARGET := $(value DOCKER_TARGET)
 export TARGET VLLM_VERSION BASE_IMAGE IMAGE_TAG SMOKE_GCN_ARCH DOCKER_TARGET
 
 .PHONY: help apply patches rebase drift overlay install-overlay build test check bench \
-        gpubench lock clean fetch rocm-image rocm-source-image
+        gpubench lock clean fetch export rocm-image rocm-source-image
+
+# SIGNOFF reaches Python verbatim through the environment: unexpanded by make
+# (`unexport`, $(value)) and single-quoted for the shell, a newline as the two
+# characters \n, which the export refuses.
+unexport SIGNOFF
+define newline
+
+
+endef
+shell_quote = '$(subst $(newline),\n,$(subst ','\'',$(1)))'
 
 help:
 	@echo "make apply      fetch pinned vLLM, apply patches/series -> build/vllm, vllm_overlay/"
 	@echo "make test       build .venv (if needed) and run every test suite"
+	@echo "                (reuses rows whose inputs passed before; FRESH=1 runs them all)"
 	@echo "make check      fast self-check of the stack (no venv)"
 	@echo "make patches    export build/vllm's commits back to patches/ (maintainers)"
 	@echo "make rebase VLLM_VERSION=x.y.z   move the stack to another vLLM release"
@@ -34,6 +45,7 @@ help:
 	@echo "make rocm-image [BASE_IMAGE=...] [IMAGE_TAG=...]   ROCm image: release image + overlay"
 	@echo "make rocm-source-image [BASE_IMAGE=...] [DOCKER_TARGET=final|test]  ROCm image: vLLM's Dockerfile.rocm on build/vllm"
 	@echo "make clean [FORCE=1]  remove build/ and the venvs (FORCE=1: also work only build/vllm holds)"
+	@echo "make export SIGNOFF=\"Name <email>\"  one folder per patch for upstream -> build/export/"
 	@echo "make build | lock | fetch"
 
 apply:
@@ -60,7 +72,10 @@ build: apply
 	$(STACK) build
 
 test: build
-	$(STACK) test
+	$(STACK) test $(if $(filter 1 yes true,$(value FRESH)),--fresh)
+
+export:
+	@K3_SIGNOFF=$(call shell_quote,$(value SIGNOFF)) $(STACK) export
 
 check:
 	$(STACK) check

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -31,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("check", help="fast self-check of the stack (no venv needed)")
     sub.add_parser("lock", help="regenerate requirements/venv.lock and lint.lock with pip")
     sub.add_parser("build", help="create .venv (patched vLLM) and .venv-lint (linters)")
-    sub.add_parser("test", help="run every test suite against the patched vLLM")
+    test = sub.add_parser("test", help="run every test suite against the patched vLLM "
+                          "(rows whose inputs passed before are reused)")
+    test.add_argument("--fresh", action="store_true",
+                      help="run every row, reusing no earlier green result")
+    sub.add_parser("export", help="build/export/: each patch signed off by $K3_SIGNOFF, "
+                   "with its PR description")
     sub.add_parser("bench", help="time the everyday commands against their goals")
     gpubench = sub.add_parser(
         "gpubench", help="time the stack's GPU kernels against the release, side by side")
@@ -134,7 +140,11 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
     elif args.command == "test":
         from scripts.testrun import run_all
 
-        return run_all(layout)
+        return run_all(layout, fresh=args.fresh)
+    elif args.command == "export":
+        from scripts.export import export_for_upstream
+
+        export_for_upstream(layout, os.environ.get("K3_SIGNOFF", ""))
     elif args.command == "bench":
         from scripts.bench import bench
 

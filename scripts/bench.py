@@ -5,6 +5,11 @@ The figures are printed next to their goals (a second `make apply` under 10 s,
 load, so a timed test would flake. Every command runs as a user runs it
 (`python3 -m scripts <command>`) in a scratch copy of the project that shares
 the download cache, so build/vllm and the real project are never touched.
+
+`make test` cannot run in such a copy (it needs the project's 9 GB .venv), so it
+times itself: each run records its wall time and which rows it reused
+(scripts/testcache.py), and this prints the latest runs of this project,
+against the goal of a warm run after a one-patch change under 5 minutes.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from scripts.common import Layout, StackError, say
 from scripts.fetch import ensure_artifact
 from scripts.pin import load_pin
 from scripts.series import read_series
+from scripts.testcache import read_runs, shown_date
 from scripts.venv import venv_python
 
 REPEATS = 3
+RECENT_TEST_RUNS = 5
+WARM_TEST_GOAL = 300  # s: `make test` after a one-patch change, reusing the other rows
 # The project files a scratch copy needs to apply, check and export the stack.
 _PROJECT_FILES = ("pin.toml", "patches", "vllm_overlay")
 
@@ -67,7 +75,32 @@ def bench(layout: Layout) -> None:
     say("")
     for name, value in sizes:
         say(f"  {name:<38}{value}")
+    say("")
+    for line in recorded_test_runs(layout):
+        say(line)
     _kernel_budget(layout)
+
+
+def recorded_test_runs(layout: Layout) -> list[str]:
+    """The latest `make test` runs of this project, as recorded by make test itself."""
+    runs = read_runs(layout)[-RECENT_TEST_RUNS:]
+    if not runs:
+        return ["  make test: no run recorded yet in build/test-results/runs.jsonl"]
+    lines = [f"  make test, latest {len(runs)} run(s) of this project "
+             "(build/test-results/runs.jsonl; wall time without `make build`):",
+             f"    {'started':<22}{'wall':>8}{'rows run':>10}{'reused':>8}  "
+             f"{'failed':>6}  build/vllm"]
+    for run in runs:
+        rows = run["rows_run"] + run["rows_reused"]
+        verdict = "  (FRESH=1)" if run["fresh"] else ""
+        if 0 < run["rows_reused"] < rows:
+            verdict += ("  within goal" if run["wall_seconds"] < WARM_TEST_GOAL
+                       else "  OVER GOAL") + f" (< {WARM_TEST_GOAL} s with rows reused)"
+        lines.append(f"    {shown_date(run['started']):<22}{run['wall_seconds']:>7.0f}s"
+                     f"{run['rows_run']:>10}{run['rows_reused']:>8}  "
+                     f"{run['totals']['failed']:>6}  {run['vllm']['describe']}"
+                     + verdict)
+    return lines
 
 
 def _kernel_budget(layout: Layout) -> None:

@@ -1,6 +1,6 @@
 """`make test`: every suite, against the patched vLLM installed in .venv.
 
-Suites, in order:
+Rows, in order:
 - tooling: tests of this repository's scripts (tests/tooling/);
 - lint: vLLM's pre-commit checks on the files the stack changes;
 - recipes: hadolint on the project's container recipes (docker/Dockerfile*);
@@ -11,26 +11,53 @@ Suites, in order:
   (tests/vllm_regression.txt), run in build/vllm;
 - verification: this project's end-to-end checks of both drafters on CPU
   (tests/verification/).
-A summary table ends the run; any failure makes the exit status non-zero.
+Every row that reads vLLM imports it from the tree it tests. A row whose
+inputs are the same as those of an earlier green run is not run again
+(scripts/testcache.py): the summary says which rows were reused, from when.
+`make test FRESH=1` (or K3_TEST_FRESH=1) runs every row. A summary table ends
+the run; any failure makes the exit status non-zero.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from scripts.common import Layout, StackError, say
+from scripts.common import Layout, StackError, rel, say
 from scripts.gitrepo import git, read_state
 from scripts.lint import run_lints
 from scripts.lock import LINT
 from scripts.prefixes import check_out, prefix_commits, prefix_worktree, python_path
+from scripts.testcache import (
+    FORMAT,
+    KeyContext,
+    ResultStore,
+    now,
+    shown_date,
+    tree_id,
+    working_tree_id,
+)
 from scripts.venv import venv_python
 
 REGRESSION_LIST = "tests/vllm_regression.txt"
+
+
+@dataclass
+class Part:
+    """One command of a row and its counts, as a reviewer would retype it in `where`."""
+
+    command: str
+    where: str
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
 
 
 @dataclass
@@ -41,37 +68,120 @@ class Outcome:
     skipped: int = 0
     seconds: float = 0.0
     note: str = ""
+    parts: list[Part] = field(default_factory=list)
+    # The green run this outcome repeats ({"date", "key", "seconds"}); None if it ran now.
+    reused: dict | None = None
+
+    def add(self, other: Outcome) -> None:
+        self.passed += other.passed
+        self.failed += other.failed
+        self.skipped += other.skipped
+        self.seconds += other.seconds
+        self.parts += other.parts
+        self.note = "; ".join(n for n in (self.note, other.note) if n)
+
+    @classmethod
+    def from_record(cls, suite: str, record: dict) -> Outcome:
+        saved = record["outcome"]
+        return cls(suite, passed=saved["passed"], failed=saved["failed"],
+                   skipped=saved["skipped"], note=saved["note"],
+                   parts=[Part(**p) for p in saved["parts"]],
+                   reused={"date": record["date"], "key": record["key"],
+                           "seconds": saved["seconds"]})
 
 
-def run_all(layout: Layout) -> int:
+@dataclass(frozen=True)
+class Row:
+    """One row of the summary, and what decides its outcome (its cache key).
+
+    Besides what every key holds (scripts/testcache.py: the project's scripts/,
+    tests/ and locks, the venvs, the pristine base), a row names the git tree
+    id of the vLLM tree it tests, the command it runs and any other project
+    path it reads (e.g. "vllm_overlay"). `tree` has no default on purpose: a
+    row that reads no vLLM tree says so with None.
+    """
+
+    name: str
+    tree: str | None
+    command: tuple[str, ...]
+    run: Callable[[], Outcome]
+    inputs: tuple[str, ...] = ()
+    # The key's name for what the row checks; rows that are the same check of
+    # different trees share it (a prefix keeps its green when patches are appended).
+    check: str = ""
+
+
+def run_all(layout: Layout, fresh: bool = False) -> int:
     for python in (venv_python(layout), LINT.python(layout)):
         if not python.exists():
             raise StackError(f"{python.parent.parent.name} is missing; run `make build` "
                              "(make test does it for you)")
+    fresh = fresh or os.environ.get("K3_TEST_FRESH", "") not in ("", "0")
+    started, start = now(), time.monotonic()
     base = read_state(layout.tree)["base_tag"]
-    results_dir = layout.build_dir / "test-results"
-    results_dir.mkdir(parents=True, exist_ok=True)
+    store = ResultStore(layout)
+    context = KeyContext.of(layout, base)
+    with ExitStack() as exits:
+        rows = test_rows(layout, base, store.dir, PrefixCheckout(layout, exits))
+        results = [(row, *_run_or_reuse(layout, row, context, store, fresh)) for row in rows]
+    outcomes = [outcome for _, _, outcome in results]
+    wall = time.monotonic() - start
+    store.write_summary(_summary(layout, base, started, wall, fresh, results))
+    reused = sum(o.reused is not None for o in outcomes)
+    return _summarize(outcomes, footer=(
+        f"{len(outcomes)} rows: {len(outcomes) - reused} run, {reused} reused"
+        + (" (make test FRESH=1 runs them all)" if reused else "")
+        + f"; {wall:.0f} s; {rel(store.dir / 'summary.json', layout)}"))
+
+
+def test_rows(layout: Layout, base: str, results_dir: Path,
+              prefixes: PrefixCheckout) -> list[Row]:
+    """Every row of `make test`, in order. A new suite is one more Row here."""
+    tree = working_tree_id(layout.tree)
     stack_tests = _stack_test_files(layout.tree, base)
-    outcomes = [
-        _pytest(layout, "tooling", ["tests/tooling"], layout.root, results_dir),
-        _lint(layout, base, layout.tree),
-        _hadolint(layout),
+    in_tree = python_path(layout, layout.tree)
+    rows = [
+        # The tooling tests build fake releases of their own; they never read build/vllm.
+        _pytest_row(layout, "tooling", ["tests/tooling"], layout.root, results_dir, tree=None),
+        Row("lint", tree, ("vllm pre-commit", base),
+            lambda: _lint(layout, base, layout.tree)),
+        # hadolint reads only the project's recipes (part of every row's key).
+        Row("recipes", None, ("hadolint", "docker/Dockerfile*"), lambda: _hadolint(layout)),
     ]
     if stack_tests:
-        outcomes.append(_pytest(layout, "stack", stack_tests, layout.tree, results_dir))
+        rows.append(_pytest_row(layout, "stack", stack_tests, layout.tree, results_dir,
+                                tree=tree, python_path=in_tree))
     else:
-        outcomes.append(Outcome("stack", note="the stack adds or changes no vLLM tests"))
-    outcomes += _prefix_outcomes(layout, base, results_dir)
-    outcomes.append(_pytest(layout, "regression", _regression_args(layout, stack_tests),
-                            layout.tree, results_dir))
-    outcomes.append(_pytest(layout, "verification", ["tests/verification"], layout.root,
-                            results_dir))
-    return _summarize(outcomes)
+        rows.append(Row("stack", tree, (), lambda: Outcome(
+            "stack", note="the stack adds or changes no vLLM tests")))
+    rows += _prefix_rows(layout, base, results_dir, prefixes)
+    rows += [
+        _pytest_row(layout, "regression", _regression_args(layout, stack_tests), layout.tree,
+                    results_dir, tree=tree, python_path=in_tree),
+        _pytest_row(layout, "verification", ["tests/verification"], layout.root,
+                    results_dir, tree=tree, python_path=in_tree),
+    ]
+    return rows
 
 
-def _stack_test_files(tree: Path, base: str) -> list[str]:
+def _run_or_reuse(layout: Layout, row: Row, context: KeyContext, store: ResultStore,
+                  fresh: bool) -> tuple[str, Outcome]:
+    key, material = context.key(layout.root, check=row.check or row.name,
+                                vllm_tree=row.tree, command=row.command, inputs=row.inputs)
+    record = None if fresh else store.green(key)
+    if record:
+        say(f"\n=== {row.name}: reused, green at {shown_date(record['date'])} "
+            f"under key {key[:12]}")
+        return key, Outcome.from_record(row.name, record)
+    outcome = row.run()
+    outcome.suite = row.name
+    store.record_green(key, material, asdict(outcome))
+    return key, outcome
+
+
+def _stack_test_files(tree: Path, base: str, rev: str = "HEAD") -> list[str]:
     out = git(tree, "diff", "--no-renames", "--name-only", "--diff-filter=AM",
-              base, "HEAD", "--", "tests/").stdout.split()
+              base, rev, "--", "tests/").stdout.split()
     return [f for f in out if Path(f).name.startswith("test_") and f.endswith(".py")]
 
 
@@ -89,30 +199,50 @@ def _regression_args(layout: Layout, already_run: list[str]) -> list[str]:
     return args
 
 
-def _prefix_outcomes(layout: Layout, base: str, results_dir: Path) -> list[Outcome]:
+class PrefixCheckout:
+    """build/prefix-tree, made on first use: a run whose prefix rows are all
+    reused needs no worktree. Removed when the run ends."""
+
+    def __init__(self, layout: Layout, exits: ExitStack):
+        self.layout, self.exits = layout, exits
+        self.path: Path | None = None
+
+    def at(self, commit: str) -> Path:
+        if self.path is None:
+            self.path = self.exits.enter_context(prefix_worktree(self.layout))
+        check_out(self.layout, self.path, commit)
+        return self.path
+
+
+def _prefix_rows(layout: Layout, base: str, results_dir: Path,
+                 prefixes: PrefixCheckout) -> list[Row]:
     """Lint and stack tests of each proper prefix of the stack, one row each."""
     commits = prefix_commits(layout.tree, base)
-    if not commits:
-        return []
     total = len(commits) + 1
-    outcomes = []
-    with prefix_worktree(layout) as worktree:
-        for k, commit in enumerate(commits, start=1):
-            suite = f"prefix {k}/{total}"
+    rows = []
+    for k, commit in enumerate(commits, start=1):
+        suite = f"prefix {k}/{total}"
+        tests = _stack_test_files(layout.tree, base, commit)
+
+        def run(suite: str = suite, commit: str = commit, tests: list[str] = tests) -> Outcome:
             subject = git(layout.tree, "log", "-1", "--format=%s", commit).stdout.strip()
             say(f"\n=== {suite}: the stack up to {subject!r}")
-            check_out(layout, worktree, commit)
+            worktree = prefixes.at(commit)
             outcome = _lint(layout, base, worktree, suite=suite)
-            if tests := _stack_test_files(worktree, base):
-                tested = _pytest(layout, suite, tests, worktree, results_dir,
-                                 python_path=python_path(layout, worktree))
-                outcome.passed += tested.passed
-                outcome.failed += tested.failed
-                outcome.skipped += tested.skipped
-                outcome.seconds += tested.seconds
-                outcome.note = tested.note
-            outcomes.append(outcome)
-    return outcomes
+            if tests:
+                outcome.add(_pytest(layout, suite, tests, worktree, results_dir,
+                                    python_path=python_path(layout, worktree)))
+            return outcome
+
+        rows.append(Row(suite, tree_id(layout.tree, commit), ("vllm pre-commit", base, *tests),
+                        run, check="prefix"))
+    return rows
+
+
+def _pytest_row(layout: Layout, suite: str, args: list[str], cwd: Path, results_dir: Path,
+                *, tree: str | None, python_path: str | None = None) -> Row:
+    return Row(suite, tree, ("pytest", rel(cwd, layout), *args),
+               lambda: _pytest(layout, suite, args, cwd, results_dir, python_path))
 
 
 def _pytest(layout: Layout, suite: str, args: list[str], cwd: Path,
@@ -132,6 +262,8 @@ def _pytest(layout: Layout, suite: str, args: list[str], cwd: Path,
         # Collection errors, usage errors, or no tests at all (exit 5).
         outcome.failed += 1
         outcome.note = f"pytest exited {code}"
+    outcome.parts = [Part(f"pytest -q {shlex.join(args)}", rel(cwd, layout),
+                          outcome.passed, outcome.failed, outcome.skipped)]
     return outcome
 
 
@@ -149,18 +281,24 @@ def _read_junit(suite: str, xml: Path) -> Outcome:
 
 
 def _lint(layout: Layout, base: str, tree: Path, suite: str = "lint") -> Outcome:
-    say(f"\n=== {suite}: vLLM's pre-commit checks on the files changed since {base}")
+    scope = "the whole stack" if tree == layout.tree else "this prefix"
+    say(f"\n=== {suite}: vLLM's pre-commit checks on the files {scope} changes "
+        f"since {base}")
     start = time.monotonic()
     outcome = Outcome(suite)
+    names = []
     for result in run_lints(layout, base, tree):
         say(f"  {'ok  ' if result.ok else 'FAIL'} {result.name}")
         if not result.ok:
             say("    " + result.output.replace("\n", "\n    "))
         outcome.passed += result.ok
         outcome.failed += not result.ok
+        names.append(result.name)
     if not outcome.passed + outcome.failed:
         outcome.note = "the stack changes no files"
     outcome.seconds = time.monotonic() - start
+    outcome.parts = [Part("vLLM pre-commit: " + ", ".join(names), rel(tree, layout),
+                          outcome.passed, outcome.failed, outcome.skipped)]
     return outcome
 
 
@@ -185,14 +323,48 @@ def _hadolint(layout: Layout) -> Outcome:
     return outcome
 
 
-def _summarize(outcomes: list[Outcome]) -> int:
+def _summarize(outcomes: list[Outcome], footer: str = "") -> int:
     say("\n=== summary")
-    say(f"  {'suite':<14}{'passed':>8}{'failed':>8}{'skipped':>9}{'time':>9}")
+    say(f"  {'suite':<20}{'passed':>8}{'failed':>8}{'skipped':>9}{'time':>9}")
     for o in outcomes:
-        say(f"  {o.suite:<14}{o.passed:>8}{o.failed:>8}{o.skipped:>9}{o.seconds:>8.0f}s"
-            + (f"  {o.note}" if o.note else ""))
+        note = o.note
+        if o.reused:
+            note = (f"reused: green at {shown_date(o.reused['date'])} under key "
+                    f"{o.reused['key'][:12]} (ran in {o.reused['seconds']:.0f}s)"
+                    + (f"; {note}" if note else ""))
+        say(f"  {o.suite:<20}{o.passed:>8}{o.failed:>8}{o.skipped:>9}{o.seconds:>8.0f}s"
+            + (f"  {note}" if note else ""))
+    if footer:
+        say(footer)
     passed = sum(o.passed for o in outcomes)
     failed = sum(o.failed for o in outcomes)
     skipped = sum(o.skipped for o in outcomes)
-    say(f"{passed} passed, {failed} failed, {skipped} skipped")
+    say(f"{passed} passed, {failed} failed, {skipped} skipped")  # the last line: CI reads it
     return 1 if failed else 0
+
+
+def _summary(layout: Layout, base: str, started: str, wall: float, fresh: bool,
+             results: list[tuple[Row, str, Outcome]]) -> dict:
+    """build/test-results/summary.json (read by `make bench` and `make export`)."""
+    tree = layout.tree
+    rows = []
+    for row, key, outcome in results:
+        counts = asdict(outcome)
+        del counts["suite"]  # the row's name
+        rows.append({"name": row.name, **counts, "key": key, "vllm_tree": row.tree})
+    return {
+        "format": FORMAT,
+        "started": started,
+        "wall_seconds": round(wall, 1),
+        "fresh": fresh,
+        "vllm": {
+            "base": base,
+            "head": git(tree, "rev-parse", "HEAD").stdout.strip(),
+            "describe": git(tree, "describe", "--tags", "--always", "--dirty").stdout.strip(),
+            "tree": working_tree_id(tree),
+        },
+        "rows": rows,
+        "totals": {k: sum(r[k] for r in rows) for k in ("passed", "failed", "skipped")},
+        "rows_run": sum(r["reused"] is None for r in rows),
+        "rows_reused": sum(r["reused"] is not None for r in rows),
+    }

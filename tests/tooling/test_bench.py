@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from scripts.bench import recorded_test_runs
+from scripts.common import Layout
+from scripts.testcache import ResultStore
 from tests.tooling.conftest import snapshot
 
 
@@ -16,6 +19,7 @@ def test_bench_prints_every_figure_and_leaves_the_project_alone(stacked):
     assert "patches" in out and "2 files" in out
     # The fake project has no .venv: the kernel budget is skipped, not fatal.
     assert "kernel budget: skipped, .venv is missing" in out
+    assert "make test: no run recorded yet in build/test-results/runs.jsonl" in out
     assert snapshot(stacked.root) == before
 
 
@@ -24,3 +28,21 @@ def test_bench_names_the_command_that_failed(stacked):
     result = stacked.run("bench")
     assert result.returncode != 0
     assert "`make check` failed in the benchmark's scratch project" in result.stderr
+
+
+def test_bench_prints_the_recorded_make_test_runs(tmp_path):
+    """make test times itself; bench prints its latest runs against the warm goal."""
+    layout = Layout(tmp_path)
+    store = ResultStore(layout)
+    for wall, run, reused in ((1236.0, 9, 0), (250.0, 4, 5), (420.0, 6, 3), (2.0, 0, 9)):
+        store.write_summary({
+            "started": "2026-03-04T05:06:07+00:00", "wall_seconds": wall, "fresh": False,
+            "vllm": {"describe": "vllm-0.33.0-5-gabc"}, "rows_run": run, "rows_reused": reused,
+            "totals": {"passed": 10, "failed": 0, "skipped": 1}})
+    lines = recorded_test_runs(layout)
+    assert "latest 4 run(s) of this project" in lines[0]
+    rows = lines[2:]
+    assert rows[0].split()[3:7] == ["1236s", "9", "0", "0"] and "goal" not in rows[0]
+    assert rows[1].endswith("within goal (< 300 s with rows reused)")
+    assert rows[2].endswith("OVER GOAL (< 300 s with rows reused)")
+    assert "goal" not in rows[3]  # everything reused: not a run after a change

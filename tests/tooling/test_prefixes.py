@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from contextlib import ExitStack
 
 import pytest
 
@@ -30,7 +31,7 @@ def runner(stacked, monkeypatch):
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
     monkeypatch.setattr(testrun, "_lint",
-                        lambda layout, base, tree, suite: testrun.Outcome(suite))
+                        lambda layout, base, tree, suite="lint": testrun.Outcome(suite))
     stacked.layout = layout
     return stacked
 
@@ -38,7 +39,10 @@ def runner(stacked, monkeypatch):
 def _run_prefixes(project) -> list[testrun.Outcome]:
     results = project.layout.build_dir / "test-results"
     results.mkdir(parents=True, exist_ok=True)
-    return testrun._prefix_outcomes(project.layout, BASE, results)
+    with ExitStack() as exits:
+        rows = testrun._prefix_rows(project.layout, BASE, results,
+                                    testrun.PrefixCheckout(project.layout, exits))
+        return [row.run() for row in rows]
 
 
 def test_each_prefix_runs_the_tests_it_has_against_its_own_tree(runner):
@@ -74,4 +78,6 @@ def test_a_stack_of_one_patch_has_no_proper_prefix(project):
     project.ok("apply")
     project.commit("[ROCm] Only patch", {"vllm/models/new.py": "X = 1\n"})
     layout = Layout(project.root)
-    assert testrun._prefix_outcomes(layout, BASE, layout.build_dir) == []
+    with ExitStack() as exits:
+        assert testrun._prefix_rows(layout, BASE, layout.build_dir,
+                                    testrun.PrefixCheckout(layout, exits)) == []

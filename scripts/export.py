@@ -1,0 +1,486 @@
+"""`make export SIGNOFF="Name <email>"`: the stack as vLLM pull requests, under build/export/.
+
+patches/ keeps the project's identity. vLLM's DCO check needs the person who
+submits, and it requires the Signed-off-by to match the commit's author, so
+each exported patch is authored and signed off by SIGNOFF; the project's
+sign-off is dropped and its identity kept as a Co-authored-by: trailer. The
+diff, subject, body and author date are unchanged.
+
+For patch k of the series, build/export/<kk>-<stem>/ holds
+- <stem>.patch: re-signed, `git am --keep-non-patch`-able onto the pristine
+  release after patches 1..k-1 (checked here: applied in a scratch index, the
+  series gives the same tree as build/vllm);
+- PR.md: the description in the PR template of the patched tree, filled from
+  the commit message, patches/notes/<stem>.md (optional free sections such as
+  "## Claims", "## Rationale", "## Hardware test plan") and the latest
+  `make test` results for that patch's tree (build/test-results/summary.json).
+build/export/COVER.md lists the series: order, what each patch needs, and
+which patches can go first (checked: they apply alone to the release, share
+no file with the patches before them and use nothing those add).
+
+All or nothing: the folder is staged next to build/export and renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.common import Layout, StackError, rel, run, say, warn
+from scripts.gitrepo import commits_since, git, is_stack_repo, read_state
+from scripts.pin import load_pin
+from scripts.series import Patch, read_series
+from scripts.stack import FORMAT_PATCH, guard_tree, render_commit
+from scripts.testcache import read_summary, shown_date
+
+EXPORT = "export"
+TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
+NOTES = "notes"
+_TRAILER = re.compile(r"^[A-Za-z][A-Za-z0-9-]*: \S")
+# "Name <email>": a name without control or shell characters, a plausible address.
+_SIGNOFF = re.compile(r"^(?P<name>[^<>\"\\$`;|&(){}\[\]*?!#~^]+?) "
+                      r"<(?P<email>[A-Za-z0-9._%+-]+@(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,})>$")
+# Addresses nobody receives mail at (RFC 2606, RFC 6761).
+_RESERVED_DOMAINS = re.compile(
+    r"(^|\.)(example\.(com|net|org)|[^.]+\.(example|invalid|test|localhost))$", re.I)
+
+
+@dataclass(frozen=True)
+class Person:
+    name: str
+    email: str
+
+    def __str__(self) -> str:
+        return f"{self.name} <{self.email}>"
+
+
+def parse_signoff(value: str) -> Person:
+    usage = 'usage: make export SIGNOFF="Your Name <you@your.domain>"'
+    if not value.strip():
+        raise StackError("SIGNOFF is missing: the person who submits signs off each "
+                         f"patch; {usage}")
+    match = _SIGNOFF.match(value)
+    shown = ascii(value) if len(value) <= 120 else ascii(value[:117] + "...")
+    if (not match or not value.isprintable()  # no newline, tab or other control
+            or not any(ch.isalpha() for ch in match.group("name"))):
+        raise StackError(f"SIGNOFF {shown} is not `Name <email>` (a plain name, one "
+                         f"address in angle brackets); {usage}")
+    if _RESERVED_DOMAINS.search(match.group("email").split("@", 1)[1]):
+        raise StackError(f"SIGNOFF {shown}: {match.group('email')} is a reserved example "
+                         f"address, not one the DCO check can trust; {usage}")
+    return Person(match.group("name").strip(), match.group("email"))
+
+
+# --- the commit message and the notes file --------------------------------------
+
+
+@dataclass
+class Message:
+    """A commit message or notes file: subject, text before the first `## `
+    heading, and the sections under `## ` headings."""
+
+    subject: str
+    preamble: str
+    sections: list[tuple[str, str]]
+
+    @classmethod
+    def parse(cls, text: str) -> Message:
+        subject, _, body = text.strip("\n").partition("\n")
+        paragraphs = body.strip("\n").split("\n\n")
+        if paragraphs and all(_TRAILER.match(ln) for ln in paragraphs[-1].splitlines()):
+            paragraphs.pop()  # Signed-off-by and the like: not PR text
+        return cls(subject.strip(), *split_sections("\n\n".join(paragraphs)))
+
+    def take(self, *prefixes: str) -> list[tuple[str, str]]:
+        """Remove and return the sections whose heading starts with one of `prefixes`."""
+        taken = [s for s in self.sections if s[0].lower().startswith(prefixes)]
+        self.sections = [s for s in self.sections if s not in taken]
+        return taken
+
+
+def split_sections(markdown: str) -> tuple[str, list[tuple[str, str]]]:
+    """Text before the first `## ` heading, and (heading, text) per heading.
+
+    Headings inside fenced code blocks are text."""
+    preamble: list[str] = []
+    sections: list[tuple[str, list[str]]] = []
+    fenced = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        if not fenced and line.startswith("## "):
+            sections.append((line[3:].strip(), []))
+        elif sections:
+            sections[-1][1].append(line)
+        else:
+            preamble.append(line)
+    return ("\n".join(preamble).strip("\n"),
+            [(heading, "\n".join(lines).strip("\n")) for heading, lines in sections])
+
+
+def read_notes(layout: Layout, patch: Patch) -> Message:
+    path = layout.patches_dir / NOTES / f"{patch.path.stem}.md"
+    if not path.exists():
+        return Message("", "", [])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise StackError(f"{rel(path, layout)} is not UTF-8 text; save it as UTF-8 and "
+                         "run `make export` again")
+    return Message("", *split_sections(text))
+
+
+# --- re-signing -----------------------------------------------------------------
+
+
+@contextmanager
+def scratch_objects(tree: Path) -> Iterator[dict[str, str]]:
+    """Git environment whose new objects go to a temporary store: nothing is
+    written into build/vllm, which is read through it as an alternate."""
+    with tempfile.TemporaryDirectory(prefix="k3-export-objects-") as tmp:
+        yield {"GIT_OBJECT_DIRECTORY": tmp,
+               "GIT_ALTERNATE_OBJECT_DIRECTORIES": str((tree / ".git" / "objects").resolve())}
+
+
+def resign(tree: Path, commit: str, parent: str, submitter: Person,
+           objects: dict[str, str]) -> str:
+    """A copy of `commit` on `parent`, authored and signed off by `submitter`."""
+    author = git(tree, "log", "-1", "--format=%an <%ae>", commit).stdout.strip()
+    date = git(tree, "log", "-1", "--format=%ad", "--date=raw", commit).stdout.strip()
+    message = git(tree, "log", "-1", "--format=%B", commit).stdout
+    kept = [ln for ln in message.rstrip("\n").split("\n")
+            if ln.strip() != f"Signed-off-by: {author}"]
+    trailers = ([] if author == str(submitter) else ["--trailer", f"Co-authored-by: {author}"])
+    trailers += ["--trailer", f"Signed-off-by: {submitter}"]
+    message = git(tree, "interpret-trailers", "--if-exists", "addIfDifferent", *trailers,
+                  input="\n".join(kept).rstrip("\n") + "\n").stdout
+    env = {**objects, "GIT_AUTHOR_NAME": submitter.name, "GIT_AUTHOR_EMAIL": submitter.email,
+           "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+    tree_id = git(tree, "rev-parse", f"{commit}^{{tree}}").stdout.strip()
+    return git(tree, "commit-tree", tree_id, "-p", parent, "-F", "-", env=env,
+               input=message).stdout.strip()
+
+
+def render(tree: Path, commit: str, objects: dict[str, str]) -> bytes:
+    return run(["git", "-C", str(tree), *FORMAT_PATCH, "-1", commit], env=objects,
+               text=False).stdout
+
+
+@contextmanager
+def scratch_index(tree: Path, base: str, objects: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A temporary index holding `base`, for `git apply --cached` trials."""
+    with tempfile.TemporaryDirectory(prefix="k3-export-index-") as tmp:
+        env = {**objects, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git(tree, "read-tree", base, env=env)
+        yield env
+
+
+def applies(tree: Path, patch: Path, env: dict[str, str], check: bool = False) -> bool:
+    args = ["apply", "--cached", "--whitespace=nowarn"] + (["--check"] if check else [])
+    return git(tree, *args, str(patch), env=env, check=False).returncode == 0
+
+
+# --- independence -----------------------------------------------------------------
+
+_DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
+_NEW_FILE = re.compile(r"^diff --git a/\S+ b/(\S+)\nnew file mode", re.M)
+_DEFINED = re.compile(r"^\+\s*(?:async\s+def|def|class)\s+([A-Za-z_]\w*)"
+                      r"|^\+([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
+_WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+@dataclass
+class PatchFacts:
+    files: set[str]
+    modules: set[str]  # dotted names of the .py modules it adds
+    defines: set[str]  # functions, classes and top-level names it adds
+    added_text: str  # its added lines
+
+    @classmethod
+    def of(cls, text: str) -> PatchFacts:
+        files = {p for pair in _DIFF_FILE.findall(text) for p in pair}
+        modules = set()
+        for path in _NEW_FILE.findall(text):
+            if path.endswith(".py"):
+                modules.add(path[:-3].removesuffix("/__init__").replace("/", "."))
+        defines = {a or b for a, b in _DEFINED.findall(text)}
+        added = "\n".join(ln[1:] for ln in text.splitlines()
+                          if ln.startswith("+") and not ln.startswith("+++"))
+        return cls(files, modules, defines, added)
+
+
+def independence(tree: Path, base: str, patch_files: list[Path],
+                 objects: dict[str, str]) -> list[str | None]:
+    """Per patch after the first, None if it needs the ones before it, else the
+    evidence that it does not. (Sharing no file implies applying alone when the
+    series applies; the apply is checked anyway, as COVER.md states it.)"""
+    facts = [PatchFacts.of(p.read_text(errors="replace")) for p in patch_files]
+    new_names = _names_new_to(tree, base, set().union(*(f.defines for f in facts)))
+    verdicts: list[str | None] = []
+    for k, (path, mine) in enumerate(zip(patch_files, facts)):
+        if k == 0:
+            verdicts.append(None)  # nothing before it
+            continue
+        earlier = facts[:k]
+        with scratch_index(tree, base, objects) as env:
+            alone = applies(tree, path, env, check=True)
+        shared = mine.files & set().union(*(f.files for f in earlier))
+        used_words = set(_WORD.findall(mine.added_text)) - mine.defines
+        uses = {m for f in earlier for m in f.modules if _imports(mine.added_text, m)}
+        uses |= used_words & new_names & set().union(*(f.defines for f in earlier))
+        if alone and not shared and not uses:
+            before = "patch 1" if k == 1 else f"patches 1-{k}"
+            verdicts.append(f"applies alone to {base}, shares no file with {before} "
+                            "and uses no module, function or class added there")
+        else:
+            verdicts.append(None)
+    return verdicts
+
+
+def _imports(text: str, module: str) -> bool:
+    """Whether `text` names `module` (dotted, as a path, or `from package import leaf`)."""
+    if module in text or module.replace(".", "/") + ".py" in text:
+        return True
+    package, _, leaf = module.rpartition(".")
+    return bool(package) and re.search(
+        rf"from\s+{re.escape(package)}\s+import\s+\(?[\w\s,]*\b{re.escape(leaf)}\b",
+        text) is not None
+
+
+def _names_new_to(tree: Path, base: str, names: set[str]) -> set[str]:
+    """The names that appear nowhere in the pristine release (dunders are never new)."""
+    candidates = sorted(n for n in names if not n.startswith("__"))
+    if not candidates:
+        return set()
+    args = [arg for n in candidates for arg in ("-e", n)]
+    found = git(tree, "grep", "-h", "-o", "-w", *args, base, check=False).stdout
+    return set(candidates) - {line.split(":", 1)[-1] for line in found.splitlines()}
+
+
+# --- PR.md and COVER.md ---------------------------------------------------------------
+
+
+def pr_description(template: str, message: Message, notes: Message,
+                   validation: str) -> tuple[str, list[str]]:
+    """The template with each known `## ` section filled, and the headings left as they are.
+
+    Every section of the message and the notes lands somewhere (they are consumed)."""
+    opening = [message.preamble] if message.preamble else []
+    purpose = "\n\n".join(opening + [text for _, text in message.take("purpose")])
+    overview, _, background = purpose.partition("\n\n")
+    claims = "\n\n".join(text for _, text in notes.take("claims"))
+    if not claims:
+        claims = f"- {_title(message.subject)}."
+    plans = message.take("test plan")
+    results = message.take("test result")
+    hardware = message.take("hardware") + notes.take("hardware")
+    details = ([("Background", background)] if background else []) + message.sections
+    details += notes.sections
+    if notes.preamble:
+        details.append(("Notes", notes.preamble))
+    filled = {
+        "overview": overview or _title(message.subject),
+        "claims": claims,
+        "validation": _join(plans + results + [("Automated checks", validation)] + hardware),
+        "details": _join(details),
+    }
+    return _fill(template, filled)
+
+
+def _hex(commit: str) -> str:
+    """A commit id as git takes it (setuptools-scm writes it with a "g" in front)."""
+    return commit[1:] if re.fullmatch(r"g[0-9a-f]{7,40}", commit) else commit
+
+
+def _title(subject: str) -> str:
+    return re.sub(r"^(\[[^][]+\])+ +", "", subject)
+
+
+def _join(sections: list[tuple[str, str]]) -> str:
+    return "\n\n".join(f"### {heading}\n\n{text}" for heading, text in sections if text)
+
+
+def _fill(template: str, filled: dict[str, str]) -> tuple[str, list[str]]:
+    out: list[str] = []
+    unfilled: list[str] = []
+    section = None
+    for line in template.splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip().lower()
+            if section in filled:
+                out += [line, "", filled[section], ""]
+                continue
+            unfilled.append(line[3:].strip())
+        if line.strip() == "---" or line.startswith("<details"):
+            section = None  # the checklist: kept as it is, ticked by the submitter
+        if section in filled:
+            continue  # the template's guidance comment, replaced by the content
+        out.append(line)
+    return "\n".join(out).rstrip("\n") + "\n", unfilled
+
+
+def validation_text(summary: dict | None, tree_of_patch: str, k: int,
+                    n: int) -> tuple[str, str | None]:
+    """The `make test` results for the tree after patch k, and what is missing if none."""
+    scope = (f"the tree after this PR (patches 1-{k} of the {n}-patch series, "
+             "as it lands in that order)")
+    if summary is None:
+        missing = "no `make test` result is recorded: run `make test`, then `make export`"
+        return f"_{missing[0].upper()}{missing[1:]}._", missing
+    rows = [r for r in summary["rows"] if r["vllm_tree"] == tree_of_patch]
+    if not rows:
+        missing = (f"the latest `make test` ({shown_date(summary['started'])}) did not test "
+                   "this patch's tree: run `make test`, then `make export`")
+        return f"_{missing[0].upper()}{missing[1:]}._", missing
+    lines = [f"`make test` of the K3 DSpark patch stack on {scope}, CPU only (no GPU; "
+             "ROCm-only tests are collected and skipped):", "",
+             "| check | in | passed | failed | skipped | run |",
+             "| --- | --- | ---: | ---: | ---: | --- |"]
+    for row in rows:
+        date = shown_date((row["reused"] or {}).get("date") or summary["started"])
+        for part in row["parts"]:
+            where = "vLLM tree" if part["where"].startswith("build/") else "patch-stack project"
+            lines.append(f"| `{part['command']}` | {where} | {part['passed']} | "
+                         f"{part['failed']} | {part['skipped']} | {date} |")
+    failed = sum(r["failed"] for r in rows)
+    return "\n".join(lines), (f"{failed} check(s) failed in the latest `make test` of its "
+                              "tree" if failed else None)
+
+
+def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[dict],
+          summary: dict | None) -> str:
+    first = [e for e in entries[1:] if e["independent"]]
+    lines = [f"# K3 DSpark drafter on ROCm: {len(entries)} pull requests for vLLM", "",
+             f"Base: vLLM {pin_version} (upstream commit `{_hex(pin_commit)}`). Every patch is "
+             f"authored and signed off by {submitter}; the project's identity stays as "
+             "`Co-authored-by:`.", "",
+             "Send them in this order. Each needs the ones before it unless its line says "
+             "otherwise.", "",
+             "| # | pull request | folder | needs |", "| ---: | --- | --- | --- |"]
+    for e in entries:
+        needs = ("nothing" if e["k"] == 1 or e["independent"]
+                 else ("#1" if e["k"] == 2 else f"#1-#{e['k'] - 1}"))
+        lines.append(f"| {e['k']} | {e['subject']} | `{e['folder']}/` | {needs} |")
+    lines.append("")
+    if first:
+        lines += ["Can go first, on the release alone:", ""]
+        lines += [f"- #{e['k']} `{e['folder']}`: it {e['independent']}." for e in first]
+        lines.append("")
+    else:
+        lines += ["No patch after the first can go on the release alone.", ""]
+    if summary:
+        totals = summary["totals"]
+        lines += [f"Tested: `make test` of {shown_date(summary['started'])} on "
+                  f"`{summary['vllm']['describe']}`: {totals['passed']} passed, "
+                  f"{totals['failed']} failed, {totals['skipped']} skipped "
+                  f"({summary['rows_reused']} of {len(summary['rows'])} rows reused from "
+                  "earlier green runs with the same inputs).", ""]
+    lines += ["To open PR k: on a branch at the upstream commit (or at PR k-1), "
+              "`git am --keep-non-patch <folder>/<name>.patch`, push, and paste "
+              "`<folder>/PR.md` as the description.", "",
+              "The checklist at the end of each PR.md is left unticked: it asks for the "
+              "submitter's own judgment. vLLM's contributing guide also asks to disclose "
+              "AI assistance (a note in the PR and a `Co-authored-by:` trailer) where it "
+              "applies."]
+    return "\n".join(lines) + "\n"
+
+
+# --- the command ------------------------------------------------------------------
+
+
+def export_for_upstream(layout: Layout, signoff: str) -> None:
+    submitter = parse_signoff(signoff)
+    tree = layout.tree
+    if not is_stack_repo(tree):
+        raise StackError(f"{rel(tree, layout)} does not exist; run `make apply` first")
+    guard_tree(layout, "`make export`")
+    patches = read_series(layout)
+    base = read_state(tree)["base_tag"]
+    commits = commits_since(tree, base)
+    if len(commits) != len(patches) or any(
+            render_commit(layout, c) != p.read() for c, p in zip(commits, patches)):
+        raise StackError(f"{rel(tree, layout)} does not hold patches/series as it is now; "
+                         "run `make apply` (or `make patches` to export your commits), "
+                         "then `make export` again")
+    template = git(tree, "show", f"HEAD:{TEMPLATE}", check=False)
+    if template.returncode != 0:
+        raise StackError(f"{rel(tree, layout)} has no {TEMPLATE} to fill; the PR "
+                         "descriptions follow the template of the patched vLLM")
+    pin = load_pin(layout.pin_file)
+    summary = read_summary(layout)
+    layout.build_dir.mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=layout.build_dir))
+    try:
+        entries = _write_series(layout, staging, patches, commits, base, submitter,
+                                template.stdout, summary)
+        (staging / "COVER.md").write_text(cover(pin.version, pin.commit, submitter,
+                                                entries, summary))
+        _replace(staging, layout.build_dir / EXPORT)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    say(f"exported {len(patches)} patch(es), signed off by {submitter}, to "
+        f"{rel(layout.build_dir / EXPORT, layout)}/ (read COVER.md first)")
+
+
+def _write_series(layout: Layout, staging: Path, patches: list[Patch], commits: list[str],
+                  base: str, submitter: Person, template: str,
+                  summary: dict | None) -> list[dict]:
+    tree = layout.tree
+    width = max(2, len(str(len(patches))))
+    entries = []
+    problems: dict[str, list[int]] = {}  # what the submitter must know -> patch numbers
+    with scratch_objects(tree) as objects, scratch_index(tree, base, objects) as index:
+        parent = git(tree, "rev-parse", base).stdout.strip()
+        for k, (patch, commit) in enumerate(zip(patches, commits), start=1):
+            folder = f"{k:0{width}d}-{patch.path.stem}"
+            (staging / folder).mkdir()
+            parent = resign(tree, commit, parent, submitter, objects)
+            out = staging / folder / patch.name
+            out.write_bytes(render(tree, parent, objects))
+            tree_of_patch = git(tree, "rev-parse", f"{commit}^{{tree}}").stdout.strip()
+            # The file itself, applied after the ones before it, gives the patched tree.
+            if not (applies(tree, out, index)
+                    and git(tree, "write-tree", env=index).stdout.strip() == tree_of_patch):
+                raise StackError(f"{patch.name}: the re-signed patch does not reproduce "
+                                 f"commit {commit[:12]} of {rel(tree, layout)}; nothing "
+                                 "was exported (please report this)")
+            message = Message.parse(git(tree, "log", "-1", "--format=%B", commit).stdout)
+            notes = read_notes(layout, patch)
+            if not any(h.lower().startswith("claims") for h, _ in notes.sections):
+                problems.setdefault(f"no '## Claims' in {rel(layout.patches_dir, layout)}/"
+                                    f"{NOTES}/<patch>.md: PR.md claims the title only",
+                                    []).append(k)
+            validation, missing = validation_text(summary, tree_of_patch, k, len(patches))
+            if missing:
+                problems.setdefault(missing, []).append(k)
+            description, unfilled = pr_description(template, message, notes, validation)
+            for heading in unfilled:
+                problems.setdefault(f"PR.md leaves the template's {heading!r} section "
+                                    "for you to fill", []).append(k)
+            (staging / folder / "PR.md").write_text(description)
+            entries.append({"k": k, "folder": folder, "subject": message.subject,
+                            "file": out})
+        verdicts = independence(tree, base, [e["file"] for e in entries], objects)
+    for problem, numbers in problems.items():
+        warn(f"{problem} (patch {', '.join(map(str, numbers))})")
+    for entry, verdict in zip(entries, verdicts):
+        entry["independent"] = verdict
+    return entries
+
+
+def _replace(staging: Path, target: Path) -> None:
+    """Put `staging` at `target` by renames, so a reader sees the old or the new folder."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}-old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(staging, target)
+    if old:
+        shutil.rmtree(old)

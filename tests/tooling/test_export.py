@@ -1,0 +1,310 @@
+"""`make export SIGNOFF=...`: re-signed patches that `git am` on the release, PR.md, COVER.md."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from scripts import testrun
+from scripts.common import Layout
+from tests.tooling.conftest import (
+    AUTHOR,
+    FOO_PATCHED,
+    NEW_MODEL,
+    PYTHON,
+    REPO,
+    SUBJECT_1,
+    TEST_FOO_PATCHED,
+    V1,
+    release_files,
+    snapshot,
+)
+
+SUBMITTER = "Ada Lovelace <ada@lovelace.dev>"
+BASE = f"vllm-{V1}"
+TEMPLATE = (Path(__file__).parent / "data" / "vllm-0.33.0-PULL_REQUEST_TEMPLATE.md").read_text()
+MANY = "".join(f"A{i} = {i}\n" for i in range(1, 13))
+BODY_1 = """\
+## Purpose
+
+Foo uses a larger block on ROCm.
+
+The old block overflowed the shared memory of MI300.
+
+## Design
+
+BLOCK becomes 64, and helper() names it.
+
+## Test Plan
+
+    pytest tests/test_foo.py
+
+## Test Result
+
+1 passed.
+
+## Hardware test plan (MI300/MI355 reviewers)
+
+Run the foo benchmark on an MI300."""
+NOTES_1 = """\
+## Claims
+
+- Foo is 4x faster on MI300.
+
+## Rationale
+
+64 and not 128: the register budget of gfx942.
+"""
+# (subject, files): patch 2 and 7 are independent of the patches before them;
+# 3 imports a module 2 adds, 4 calls a function 1 adds, 5 does not apply
+# without 1, and 6 changes a file 2 changes (it would apply alone).
+PATCHES = [
+    (SUBJECT_1, {"vllm/models/foo.py": FOO_PATCHED + "\n\ndef helper():\n    return BLOCK\n",
+                 "tests/test_foo.py": TEST_FOO_PATCHED}),
+    ("[ROCm] Add the new model", {"vllm/models/new.py": NEW_MODEL,
+                                  "vllm/models/many.py": MANY.replace("A1 = 1", "A1 = 10")}),
+    ("[ROCm] List the new model", {"vllm/models/user.py": (
+        "from vllm.models import new\n\nMODELS = [new]\n")}),
+    ("[ROCm] Bar calls the helper", {"vllm/models/bar.py": (
+        "from vllm.models import foo\n\n\ndef bar():\n    return foo.helper()\n")}),
+    ("[Doc] Say what foo is", {"vllm/models/foo.py": (
+        FOO_PATCHED + "\n\ndef helper():\n    return BLOCK\n").replace(
+        "Fake model", "Fake model with a block")}),
+    ("[ROCm] Change the last constant", {"vllm/models/many.py": MANY.replace(
+        "A1 = 1", "A1 = 10").replace("A12 = 12", "A12 = 120")}),
+    ("[Bugfix] Describe vLLM", {"vllm/__init__.py": (
+        "\"\"\"vLLM, described.\"\"\"\nfrom vllm._version import __version__\n")}),
+]
+STEMS = ["rocm-model-use-a-larger-block-in-foo", "rocm-add-the-new-model",
+         "rocm-list-the-new-model", "rocm-bar-calls-the-helper", "doc-say-what-foo-is",
+         "rocm-change-the-last-constant", "bugfix-describe-vllm"]
+
+_TEMPLATE: dict[str, Path] = {}
+
+
+@pytest.fixture
+def series(project, tmp_path_factory):
+    """Seven exported patches on a release that has vLLM 0.33.0's PR template."""
+    if "series" in _TEMPLATE:
+        shutil.rmtree(project.root)
+        shutil.copytree(_TEMPLATE["series"], project.root, symlinks=True)
+        return project
+    files = {**release_files(V1), ".github/PULL_REQUEST_TEMPLATE.md": TEMPLATE.encode(),
+             "vllm/models/many.py": MANY.encode()}
+    project.use_release(V1, files=files)
+    project.ok("apply")
+    for k, (subject, changes) in enumerate(PATCHES):
+        project.commit(subject, changes, body=BODY_1 if k == 0 else f"## Purpose\n\n{subject}.")
+    project.ok("patches")
+    (project.patches / "notes").mkdir()
+    (project.patches / "notes" / f"{STEMS[0]}.md").write_text(NOTES_1)
+    saved = tmp_path_factory.mktemp("export") / "proj"
+    shutil.copytree(project.root, saved, symlinks=True)
+    _TEMPLATE["series"] = saved
+    return project
+
+
+def export(project, signoff: str = SUBMITTER) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "scripts", "export"], cwd=REPO,
+                          env={**project.env(), "K3_SIGNOFF": signoff},
+                          capture_output=True, text=True, timeout=120)
+
+
+def make_export(project, signoff: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(REPO),
+                           f"PYTHON={PYTHON}", "export", f"SIGNOFF={signoff}"],
+                          env=project.env(), capture_output=True, text=True, timeout=120)
+
+
+def folder(project, k: int) -> Path:
+    return project.root / "build" / "export" / f"{k:02d}-{STEMS[k - 1]}"
+
+
+def trailers(project, repo: Path, rev: str, key: str) -> list[str]:
+    out = project.git("log", "-1", f"--format=%(trailers:key={key},valueonly)", rev, cwd=repo)
+    return [line for line in out.splitlines() if line]
+
+
+def test_resigned_patches_apply_in_order_on_the_release_with_only_the_new_signoff(
+        series, tmp_path):
+    patches_before = snapshot(series.patches)
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    assert snapshot(series.patches) == patches_before
+    upstream = tmp_path / "upstream"
+    series.git("clone", "-q", str(series.tree), str(upstream), cwd=tmp_path)
+    series.git("checkout", "-q", "--detach", BASE, cwd=upstream)
+    for k in range(1, len(PATCHES) + 1):
+        patch = folder(series, k) / f"{STEMS[k - 1]}.patch"
+        series.git("am", "--keep-non-patch", str(patch), cwd=upstream)
+        assert series.git("log", "-1", "--format=%an <%ae>|%s", cwd=upstream) == (
+            f"{SUBMITTER}|{PATCHES[k - 1][0]}")
+        assert trailers(series, upstream, "HEAD", "Signed-off-by") == [SUBMITTER]
+        assert trailers(series, upstream, "HEAD", "Co-authored-by") == [AUTHOR]
+        # The same change as the project's commit: same tree, message, author date.
+        ours = f"stack~{len(PATCHES) - k}"
+        for fmt in ("%T", "%ad", "%s%n%n%b"):
+            theirs = series.git("log", "-1", f"--format={fmt}", cwd=upstream)
+            mine = series.git("log", "-1", f"--format={fmt}", ours)
+            if fmt.startswith("%s"):
+                mine = mine.replace(f"Signed-off-by: {AUTHOR}", "").strip()
+                theirs = theirs.split("\n\nCo-authored-by:")[0].strip()
+            assert theirs == mine
+
+
+def _write_summary(project) -> None:
+    """A `make test` summary in testrun's own format: prefix 1 and the full stack tested."""
+    layout = Layout(project.root)
+    tree_after = [project.git("rev-parse", f"stack~{len(PATCHES) - k}^{{tree}}")
+                  for k in range(1, len(PATCHES) + 1)]
+
+    def row(name, tree, parts, reused=None):
+        outcome = testrun.Outcome(name, parts=[testrun.Part(*p) for p in parts], reused=reused)
+        for p in outcome.parts:
+            outcome.passed += p.passed
+            outcome.failed += p.failed
+            outcome.skipped += p.skipped
+        return testrun.Row(name, tree, (), lambda: outcome), "k" * 64, outcome
+
+    results = [
+        row("tooling", None, [("pytest -q tests/tooling", ".", 50, 0, 0)]),
+        row("prefix 1/7", tree_after[0], [("vLLM pre-commit: ruff check", "build/prefix-tree",
+                                           9, 0, 0),
+                                          ("pytest -q tests/test_foo.py", "build/prefix-tree",
+                                           3, 0, 1)],
+            reused={"date": "2026-01-02T03:04:05+00:00", "key": "k" * 64, "seconds": 1.0}),
+        row("stack", tree_after[-1], [("pytest -q tests/test_foo.py", "build/vllm", 5, 0, 2)]),
+    ]
+    summary = testrun._summary(layout, BASE, "2026-02-03T04:05:06+00:00", 12.0, False, results)
+    testrun.ResultStore(layout).write_summary(summary)
+
+
+def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
+    _write_summary(series)
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    pr = (folder(series, 1) / "PR.md").read_text()
+    headings = [ln for ln in pr.splitlines() if ln.startswith("## ")]
+    assert headings == ["## Overview", "## Claims", "## Validation", "## Details"]
+    sections = dict(zip(["head", *headings], pr.split("\n## ")))
+    assert sections["## Overview"].split("\n\n")[1].strip() == "Foo uses a larger block on ROCm."
+    assert "- Foo is 4x faster on MI300." in sections["## Claims"]
+    validation = sections["## Validation"]
+    for text in ("### Test Plan", "pytest tests/test_foo.py", "### Test Result",
+                 "### Automated checks",
+                 "| `pytest -q tests/test_foo.py` | vLLM tree | 3 | 0 | 1 | 2026-01-02 03:04 UTC |",
+                 "| `vLLM pre-commit: ruff check` | vLLM tree | 9 | 0 | 0",
+                 "### Hardware test plan (MI300/MI355 reviewers)", "foo benchmark on an MI300"):
+        assert text in validation
+    for text in ("### Background", "overflowed the shared memory", "### Design",
+                 "### Rationale", "register budget of gfx942"):
+        assert text in sections["## Details"]
+    # The checklist is the template's, nothing ticked; no guidance comment is left.
+    checklist = TEMPLATE[TEMPLATE.index("\n---\n"):]
+    assert pr.endswith(checklist) and "[x]" not in pr
+    assert "<!-- Summarize" not in pr and "<!-- Explain" not in pr
+    last = (folder(series, 7) / "PR.md").read_text()
+    assert ("| `pytest -q tests/test_foo.py` | vLLM tree | 5 | 0 | 2 | 2026-02-03 04:05 UTC |"
+            in last)
+    assert "- Describe vLLM." in last  # no notes file: the title is the claim
+    untested = (folder(series, 2) / "PR.md").read_text()
+    assert "did not test this patch's tree: run `make test`, then `make export`" in untested
+    assert "did not test this patch's tree" in result.stderr
+    assert "(patch 2, 3, 4, 5, 6)" in result.stderr
+
+
+def test_cover_lists_the_order_and_which_patches_can_go_first(series):
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    cover = (series.root / "build" / "export" / "COVER.md").read_text()
+    needs = {}
+    for line in cover.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            needs[int(cells[0])] = cells[3]
+            assert cells[1] == PATCHES[int(cells[0]) - 1][0]
+    assert needs == {1: "nothing", 2: "nothing", 3: "#1-#2", 4: "#1-#3", 5: "#1-#4",
+                     6: "#1-#5", 7: "nothing"}
+    assert f"- #2 `02-{STEMS[1]}`: it applies alone to {BASE}, shares no file with patch 1" in cover
+    assert f"- #7 `07-{STEMS[6]}`" in cover
+    assert "no `make test` result is recorded" in result.stderr
+
+
+BAD_SIGNOFFS = ["", "Ada Lovelace", "Ada <ada>", "<ada@lovelace.dev>", "Ada <ada@example.com>",
+                "Ada <ada@lovelace.invalid>", "Ada\n<ada@lovelace.dev>",
+                "Ada\\n <ada@lovelace.dev>", "Ada $(id) <ada@lovelace.dev>",
+                "Ada `id` <ada@lovelace.dev>", "Ada <ada@lovelace.dev>; rm -rf ~",
+                "Ada <ada@lovelace.dev> <eve@evil.dev>"]
+
+
+@pytest.mark.parametrize("signoff", BAD_SIGNOFFS, ids=range(len(BAD_SIGNOFFS)))
+def test_a_bad_signoff_is_refused_in_one_line_and_writes_nothing(series, signoff):
+    before = snapshot(series.root)
+    result = export(series, signoff)
+    assert result.returncode == 1
+    assert len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("error: SIGNOFF ")
+    assert 'make export SIGNOFF="Your Name <you@your.domain>"' in result.stderr
+    assert snapshot(series.root) == before
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+def test_make_passes_signoff_verbatim_and_runs_nothing_in_it(series, tmp_path):
+    marker = tmp_path / "ran"
+    for trick in (f"Ada $(shell touch {marker}) <ada@lovelace.dev>",
+                  f"Ada `touch {marker}` <ada@lovelace.dev>",
+                  f"Ada '$$(touch {marker})' <ada@lovelace.dev>"):
+        result = make_export(series, trick)
+        assert result.returncode != 0 and "error: SIGNOFF " in result.stderr
+        assert not marker.exists()
+        assert not (series.root / "build" / "export").exists()
+    result = make_export(series, "Ada O'Brien-Núñez <ada@obrien.dev>")
+    assert result.returncode == 0, result.stderr
+    patch = (folder(series, 1) / f"{STEMS[0]}.patch").read_text()
+    assert "Signed-off-by: Ada O'Brien-Núñez <ada@obrien.dev>" in patch
+
+
+def test_unexported_work_in_build_vllm_is_refused(series):
+    (series.tree / "vllm/models/bar.py").write_text("# edited\n")
+    result = export(series)
+    assert result.returncode == 1
+    assert "build/vllm has uncommitted changes" in result.stderr
+    assert (series.tree / "vllm/models/bar.py").read_text() == "# edited\n"
+    assert not (series.root / "build" / "export").exists()
+    series.git("commit", "-q", "-a", "-m", "[ROCm] Not exported yet")
+    result = export(series)
+    assert result.returncode == 1
+    assert "has commits that are not exported to patches/" in result.stderr
+    assert not (series.root / "build" / "export").exists()
+
+
+def test_a_new_export_replaces_the_old_one_whole_or_not_at_all(series):
+    assert export(series).returncode == 0
+    stale = series.root / "build" / "export" / "00-dropped-patch"
+    stale.mkdir()
+    assert export(series).returncode == 0
+    assert not stale.exists()
+    # A failing export leaves the previous one as it was, and no staging folder:
+    # here patch 3's notes cannot be read, after patches 1 and 2 were written.
+    before = snapshot(series.root / "build" / "export")
+    notes = series.patches / "notes" / f"{STEMS[2]}.md"
+    notes.write_bytes(b"## Claims\n\n- \xe9t\xe9\n")  # latin-1
+    result = export(series)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"error: patches/notes/{STEMS[2]}.md is not UTF-8 "
+                                     "text; save it as UTF-8 and run `make export` again")
+    assert snapshot(series.root / "build" / "export") == before
+    assert [p.name for p in (series.root / "build").iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_tree_without_the_pr_template_is_refused(series):
+    series.git("rm", "-q", ".github/PULL_REQUEST_TEMPLATE.md")
+    series.git("commit", "-q", "-m", "[CI] Drop the template")
+    series.ok("patches")
+    result = export(series)
+    assert result.returncode == 1
+    assert "has no .github/PULL_REQUEST_TEMPLATE.md to fill" in result.stderr
+    assert not (series.root / "build" / "export").exists()
