@@ -46,8 +46,8 @@ def test_verify():
     needed = os.environ.get("FAKE_VERIFY_NEEDS")
     assert needed is None or Path(needed).exists()
 """
-ALL_ROWS = {"tooling", "lint", "stack", "prefix 1/3", "prefix 2/3", "regression",
-            "verification"}
+ALL_ROWS = {"tooling", "lint", "recipes", "stack", "prefix 1/3", "prefix 2/3",
+            "regression", "verification"}
 FULL_STACK_ROWS = {"lint", "stack", "regression", "verification"}
 
 _TEMPLATE: dict[str, Path] = {}
@@ -56,6 +56,11 @@ _TEMPLATE: dict[str, Path] = {}
 def _fake_lint(layout, base, tree, suite="lint"):
     _log(f"lint {suite}")
     return testrun.Outcome(suite, passed=1, parts=[testrun.Part("fake lint", "build/vllm", 1)])
+
+
+def _fake_hadolint(layout):
+    _log("lint recipes")
+    return testrun.Outcome("recipes", passed=1)
 
 
 def _log(line: str) -> None:
@@ -94,6 +99,7 @@ def _make_suite_project(project) -> None:
 def suites(project, tmp_path_factory, tmp_path, monkeypatch):
     """The suite project after one green `make test` (built once, copied per test)."""
     monkeypatch.setattr(testrun, "_lint", _fake_lint)
+    monkeypatch.setattr(testrun, "_hadolint", _fake_hadolint)
     monkeypatch.setenv("FAKE_RUN_LOG", str(tmp_path / "runs.log"))
     monkeypatch.delenv("K3_TEST_FRESH", raising=False)
     monkeypatch.delenv("FAKE_VERIFY_NEEDS", raising=False)
@@ -155,7 +161,8 @@ def test_a_second_run_with_nothing_changed_reuses_every_row(suites, capsys):
     assert _reused(suites) == ALL_ROWS
     out = capsys.readouterr().out
     assert out.count("reused: green at ") == len(ALL_ROWS)
-    assert "7 rows: 0 run, 7 reused (make test FRESH=1 runs them all)" in out
+    n = len(ALL_ROWS)
+    assert f"{n} rows: 0 run, {n} reused (make test FRESH=1 runs them all)" in out
     # The closing line CI reads counts the reused results too.
     assert out.strip().splitlines()[-1] == (f"{totals['passed']} passed, 0 failed, "
                                             f"{totals['skipped']} skipped")
@@ -306,9 +313,9 @@ def test_the_summary_records_counts_commands_and_reuse(suites):
     assert _test(suites) == 0
     summary = _summary(suites)
     rows = {row["name"]: row for row in summary["rows"]}
-    assert list(rows) == ["tooling", "lint", "stack", "prefix 1/3", "prefix 2/3",
-                          "regression", "verification"]
-    assert (summary["rows_run"], summary["rows_reused"]) == (5, 2)
+    assert list(rows) == ["tooling", "lint", "recipes", "stack", "prefix 1/3",
+                          "prefix 2/3", "regression", "verification"]
+    assert (summary["rows_run"], summary["rows_reused"]) == (5, 3)
     assert rows["stack"]["parts"] == [{
         "command": "pytest -q tests/test_foo.py tests/test_new.py", "where": "build/vllm",
         "passed": 2, "failed": 0, "skipped": 0}]
@@ -320,4 +327,4 @@ def test_the_summary_records_counts_commands_and_reuse(suites):
     assert summary["vllm"]["describe"].startswith(f"vllm-{V1}-3-g")
     assert summary["totals"]["passed"] == sum(r["passed"] for r in rows.values())
     runs = (suites.root / "build/test-results/runs.jsonl").read_text().splitlines()
-    assert len(runs) == 2 and json.loads(runs[-1])["rows_reused"] == 2
+    assert len(runs) == 2 and json.loads(runs[-1])["rows_reused"] == 3
