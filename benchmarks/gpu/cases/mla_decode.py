@@ -331,28 +331,15 @@ def input_sets(shape: dict, device: torch.device) -> list[dict]:
     ]
 
 
-def graph_of(call, sets: list[dict], calls: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for x in sets:
-            call(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(sets[i % len(sets)])
-    torch.cuda.synchronize()
-    return graph
-
-
 def time_calls(calls: dict, sets: list[dict], repeats: int) -> dict[str, list[float]]:
     """ms per call of each callable, graphs replayed in turns; at least 1 ms
     of work per graph replay."""
     once = {name: median_ms(lambda c=c: c(sets[0]), 3) for name, c in calls.items()}
     per_graph = max(1, min(20, math.ceil(2.0 / max(1e-3, min(once.values())))))
-    graphs = {name: graph_of(c, sets, per_graph) for name, c in calls.items()}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the runner's
+    from timing import capture
+
+    graphs = {name: capture(c, sets, per_graph, warmup=1) for name, c in calls.items()}
     samples: dict[str, list[float]] = {name: [] for name in graphs}
     names = list(graphs)
     for r in range(repeats):
