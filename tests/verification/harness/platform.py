@@ -141,6 +141,11 @@ def activate(mode: str) -> None:
     torch.cuda.device_count = lambda: 1
     # A CUDA build of torch without a driver raises here; nothing is captured.
     torch.cuda.is_current_stream_capturing = lambda: False
+    # There is no device memory: tensors live on the CPU. vLLM sets
+    # PYTORCH_NVML_BASED_CUDA_CHECK, which makes is_available() read the
+    # device count above; code that puts tensors on "cuda" when a GPU is
+    # available must keep them on the CPU instead.
+    torch.cuda.is_available = lambda: False
 
     _install_triton_driver_stub(mode, props)
 
