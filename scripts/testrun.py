@@ -9,7 +9,10 @@ Suites, in order:
 - regression: vLLM's existing tests of the code the stack touches
   (tests/vllm_regression.txt), run in build/vllm;
 - verification: this project's end-to-end checks of both drafters on CPU
-  (tests/verification/).
+  (tests/verification/);
+- stack (ROCm), regression (ROCm): the stack and regression rows again, in
+  separate pytest processes under vLLM's RocmPlatform emulated on CPU
+  (tests/rocm_emulation/), minus tests/vllm_regression_rocm.txt's deselects.
 A summary table ends the run; any failure makes the exit status non-zero.
 """
 
@@ -30,6 +33,7 @@ from scripts.prefixes import check_out, prefix_commits, prefix_worktree, python_
 from scripts.venv import venv_python
 
 REGRESSION_LIST = "tests/vllm_regression.txt"
+ROCM_LIST = "tests/vllm_regression_rocm.txt"
 
 
 @dataclass
@@ -64,6 +68,13 @@ def run_all(layout: Layout) -> int:
                             layout.tree, results_dir))
     outcomes.append(_pytest(layout, "verification", ["tests/verification"], layout.root,
                             results_dir))
+    if stack_tests:
+        args, path = _rocm_emulated(layout, stack_tests)
+        outcomes.append(_pytest(layout, "stack (ROCm)", args, layout.tree, results_dir,
+                                python_path=path))
+    args, path = _rocm_emulated(layout, _regression_args(layout, stack_tests))
+    outcomes.append(_pytest(layout, "regression (ROCm)", args, layout.tree, results_dir,
+                            python_path=path))
     return _summarize(outcomes)
 
 
@@ -85,6 +96,35 @@ def _regression_args(layout: Layout, already_run: list[str]) -> list[str]:
         elif line.split("::")[0] not in already_run:
             args.append(line)
     return args
+
+
+def _rocm_emulated(layout: Layout, args: list[str]) -> tuple[list[str], str]:
+    """pytest args and PYTHONPATH that run `args` (vLLM test files and node ids)
+    under vLLM's RocmPlatform emulated on CPU, in a pytest process of their own.
+
+    The plugin (tests/rocm_emulation/plugin.py) is imported from <root>/tests as
+    top-level packages: in the vLLM tree, `tests` is vLLM's package. ROCM_LIST
+    deselects what cannot run there and renames node ids whose parameters
+    depend on the platform; every line must give its reason after `#`.
+    """
+    extra: list[str] = []
+    renamed: dict[str, str] = {}
+    for number, raw in enumerate((layout.root / ROCM_LIST).read_text().splitlines(), 1):
+        entry, _, reason = raw.partition("#")
+        if not entry.strip():
+            continue
+        option, *ids = entry.split()
+        if not reason.strip() or (option, len(ids)) not in {("--deselect", 1),
+                                                            ("--replace", 2)}:
+            raise StackError(f"{ROCM_LIST}:{number}: expected `--deselect <id>  # reason` "
+                             f"or `--replace <id> <ROCm id>  # reason`, got {raw.strip()!r}")
+        if option == "--deselect":
+            extra += ["--deselect", ids[0]]
+        else:
+            renamed[ids[0]] = ids[1]
+    plugin = ["-p", "rocm_emulation.plugin"]
+    return ([*plugin, *(renamed.get(a, a) for a in args), *extra],
+            os.pathsep.join([str(layout.root / "tests"), str(layout.root)]))
 
 
 def _prefix_outcomes(layout: Layout, base: str, results_dir: Path) -> list[Outcome]:
@@ -164,9 +204,9 @@ def _lint(layout: Layout, base: str, tree: Path, suite: str = "lint") -> Outcome
 
 def _summarize(outcomes: list[Outcome]) -> int:
     say("\n=== summary")
-    say(f"  {'suite':<14}{'passed':>8}{'failed':>8}{'skipped':>9}{'time':>9}")
+    say(f"  {'suite':<18}{'passed':>8}{'failed':>8}{'skipped':>9}{'time':>9}")
     for o in outcomes:
-        say(f"  {o.suite:<14}{o.passed:>8}{o.failed:>8}{o.skipped:>9}{o.seconds:>8.0f}s"
+        say(f"  {o.suite:<18}{o.passed:>8}{o.failed:>8}{o.skipped:>9}{o.seconds:>8.0f}s"
             + (f"  {o.note}" if o.note else ""))
     passed = sum(o.passed for o in outcomes)
     failed = sum(o.failed for o in outcomes)

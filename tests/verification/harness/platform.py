@@ -164,6 +164,11 @@ def activate(mode: str) -> None:
     # vLLM's own custom ops (unified attention, cache update) register under
     # the platform's dispatch key; our tensors are CPU tensors.
     platform.dispatch_key = "CPU"
+    # More than one rank: the platform's device communicator is the GPU one
+    # (NCCL/RCCL); the CPU's runs the collectives over gloo.
+    platform.get_device_communicator_cls = lambda: (
+        "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+    )
     _stub_missing_prefill_backend(platform)
     platforms._current_platform = platform
 
