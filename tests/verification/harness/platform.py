@@ -112,6 +112,21 @@ def _stub_missing_prefill_backend(platform) -> None:
     platform.get_mla_prefill_backend_cls = get_mla_prefill_backend_cls
 
 
+def _keep_model_inspection_emulated(mode: str) -> None:
+    """vLLM learns a model class's capabilities (``_ModelInfo``) in a fresh
+    interpreter, to keep CUDA out of its own; that interpreter would resolve
+    this machine's platform, not the emulated one, and there is no device to
+    keep out here. It also caches them on disk keyed by the source files only:
+    an emulated process keeps its own cache, apart from un-emulated runs."""
+    import vllm.envs as envs
+    from vllm.model_executor.models import registry
+
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(
+        envs.VLLM_CACHE_ROOT, f"emulated-{mode}"
+    )
+    registry._run_in_subprocess = lambda fn: fn()
+
+
 def activate(mode: str) -> None:
     global _ACTIVE
     if mode not in MODES:
@@ -171,6 +186,7 @@ def activate(mode: str) -> None:
     )
     _stub_missing_prefill_backend(platform)
     platforms._current_platform = platform
+    _keep_model_inspection_emulated(mode)
 
     from . import ops
 
