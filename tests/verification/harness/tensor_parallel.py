@@ -1,8 +1,8 @@
 """The drafter on several tensor-parallel CPU ranks, next to its single-rank run.
 
 ``run(mode, drafters)`` (pytest side; imports no vLLM) starts ``WORLD_SIZE``
-rank processes. Each one makes ``mode``'s platform current (``"default"``:
-none, vLLM picks the platform of this machine), then
+rank processes. Each one emulates ``mode``'s platform (``platform.activate``),
+then
 
 1. builds every drafter alone (TP=1) and runs it on fixed inputs: the
    single-rank reference, computed in every rank so no tensor crosses ranks;
@@ -28,6 +28,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from unittest import mock
@@ -66,25 +67,38 @@ def run(mode: str, drafters: list[str], timeout: float = 600) -> list[dict]:
                 stderr=subprocess.STDOUT,
             )
             procs.append((proc, out, log))
-        results = []
         try:
-            for rank, (proc, out, log) in enumerate(procs):
-                proc.wait(timeout=timeout)
-                log.seek(0)
-                if proc.returncode != 0 or not os.path.exists(out):
-                    raise RuntimeError(
-                        f"TP rank {rank} ({mode}) exited {proc.returncode}:\n"
-                        + log.read()[-6000:]
-                    )
+            _wait_all(procs, mode, timeout)
+            results = []
+            for _, out, _ in procs:
                 with open(out, "rb") as f:
                     results.append(pickle.load(f))
+            return results
         finally:
             for proc, _, log in procs:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
                 log.close()
-        return results
+
+
+def _wait_all(procs, mode: str, timeout: float) -> None:
+    """Wait for every rank; the first one to fail is reported (the others,
+    then stuck in a collective, are killed by the caller)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for rank, (proc, _, log) in enumerate(procs):
+            if proc.poll() not in (None, 0):
+                log.seek(0)
+                raise RuntimeError(
+                    f"TP rank {rank} ({mode}) exited {proc.returncode}:\n"
+                    + log.read()[-6000:]
+                )
+        if all(proc.returncode == 0 for proc, _, _ in procs):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"TP ranks ({mode}) still running after {timeout} s")
+        time.sleep(0.2)
 
 
 # --------------------------------------------------------------------------
@@ -114,10 +128,10 @@ def _install_recorders(draft, record: dict) -> None:
     inputs) and record the outputs of every all-reduce + RMSNorm."""
     cfg = draft.hf_config
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-    for i, layer in enumerate(draft.layers):
+    for layer in draft.layers:
         attn = layer.self_attn
 
-        def core(q, kv_c, k_pe, attn=attn, i=i):
+        def core(q, kv_c, k_pe, attn=attn):
             record["q"].append(q.clone())
             record["kv_c"].append(kv_c.clone())
             record["k_pe"].append(k_pe.reshape(q.shape[0], -1).clone())
@@ -215,11 +229,10 @@ def _run(which: str, rank: int, perturbation: str | None = None) -> dict:
 
 
 def _rank_main(spec: dict) -> None:
-    mode, rank = spec["mode"], spec["rank"]
-    if mode != "default":
-        from . import platform
+    from . import platform
 
-        platform.activate(mode)
+    platform.activate(spec["mode"])
+    rank = spec["rank"]
     from vllm.platforms import current_platform
 
     from . import drafter as D
