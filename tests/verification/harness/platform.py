@@ -5,8 +5,13 @@ queries vLLM makes while resolving the platform (``gcnArchName`` for ROCm,
 compute capability for CUDA), registers CPU bodies for the compiled ops the
 drafter touches (``ops.install``) and stubs the two things a driver-less CUDA
 build of torch cannot answer (stream capture state, vLLM's workspace manager).
-Never call it in the pytest process itself: it is per-process and cannot be
-undone; the zygote applies it in a dedicated child process.
+The device is the CPU: ``torch.cuda.is_available()`` is False, collectives go
+through vLLM's CPU communicator, and vLLM's model-class inspection runs in this
+(emulated) process with a cache of its own.
+Never call it in a pytest process that also runs default-platform tests: it
+is per-process and cannot be undone. The zygote applies it in a dedicated
+child process; the ``rocm_emulation`` pytest plugin in a pytest process of its
+own.
 """
 
 from __future__ import annotations
