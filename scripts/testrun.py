@@ -10,7 +10,10 @@ Rows, in order:
 - regression: vLLM's existing tests of the code the stack touches
   (tests/vllm_regression.txt), run in build/vllm;
 - verification: this project's end-to-end checks of both drafters on CPU
-  (tests/verification/).
+  (tests/verification/);
+- stack (ROCm), regression (ROCm): the stack and regression rows again, in
+  separate pytest processes under vLLM's RocmPlatform emulated on CPU
+  (tests/rocm_emulation/), minus tests/vllm_regression_rocm.txt's deselects.
 Every row that reads vLLM imports it from the tree it tests. A row whose
 inputs are the same as those of an earlier green run is not run again
 (scripts/testcache.py): the summary says which rows were reused, from when.
@@ -47,6 +50,7 @@ from scripts.testcache import (
 from scripts.venv import venv_python
 
 REGRESSION_LIST = "tests/vllm_regression.txt"
+ROCM_LIST = "tests/vllm_regression_rocm.txt"
 
 
 @dataclass
@@ -161,6 +165,11 @@ def test_rows(layout: Layout, base: str, results_dir: Path,
         _pytest_row(layout, "verification", ["tests/verification"], layout.root,
                     results_dir, tree=tree, python_path=in_tree),
     ]
+    # vLLM's own tests again, under the ROCm platform emulated on CPU.
+    if stack_tests:
+        rows.append(_rocm_row(layout, "stack (ROCm)", stack_tests, results_dir, tree))
+    rows.append(_rocm_row(layout, "regression (ROCm)",
+                          _regression_args(layout, stack_tests), results_dir, tree))
     return rows
 
 
@@ -197,6 +206,45 @@ def _regression_args(layout: Layout, already_run: list[str]) -> list[str]:
         elif line.split("::")[0] not in already_run:
             args.append(line)
     return args
+
+
+def _rocm_emulated(layout: Layout, args: list[str]) -> tuple[list[str], str]:
+    """pytest args and PYTHONPATH that run `args` (vLLM test files and node ids)
+    under vLLM's RocmPlatform emulated on CPU, in a pytest process of their own.
+
+    The plugin (tests/rocm_emulation/plugin.py) is imported from <root>/tests as
+    top-level packages: in the vLLM tree, `tests` is vLLM's package. ROCM_LIST
+    deselects what cannot run there and renames node ids whose parameters
+    depend on the platform; every line must give its reason after `#`.
+    """
+    extra: list[str] = []
+    renamed: dict[str, str] = {}
+    for number, raw in enumerate((layout.root / ROCM_LIST).read_text().splitlines(), 1):
+        entry, _, reason = raw.partition("#")
+        if not entry.strip():
+            continue
+        option, *ids = entry.split()
+        if not reason.strip() or (option, len(ids)) not in {("--deselect", 1),
+                                                            ("--replace", 2)}:
+            raise StackError(f"{ROCM_LIST}:{number}: expected `--deselect <id>  # reason` "
+                             f"or `--replace <id> <ROCm id>  # reason`, got {raw.strip()!r}")
+        if option == "--deselect":
+            extra += ["--deselect", ids[0]]
+        else:
+            renamed[ids[0]] = ids[1]
+    plugin = ["-p", "rocm_emulation.plugin"]
+    return ([*plugin, *(renamed.get(a, a) for a in args), *extra],
+            os.pathsep.join([str(layout.tree), str(layout.root / "tests"),
+                             str(layout.root)]))
+
+
+def _rocm_row(layout: Layout, suite: str, args: list[str], results_dir: Path,
+              tree: str) -> Row:
+    rocm_args, path = _rocm_emulated(layout, args)
+    return _pytest_row(layout, suite, rocm_args, layout.tree, results_dir, tree=tree,
+                       python_path=path)
+
+
 
 
 class PrefixCheckout:

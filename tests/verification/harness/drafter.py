@@ -144,10 +144,13 @@ def read_checkpoint(path: str):
             yield name, f.get_tensor(name)
 
 
-_DIST = {"ready": False}
+_DIST = {"ready": False, "workspace": False}
 
 
-def _init_dist() -> None:
+def init_dist(world_size: int = 1, rank: int = 0, init_file: str | None = None) -> None:
+    """Join a gloo world of ``world_size`` CPU processes, all of it one
+    tensor-parallel group (a no-op once joined; ``leave_dist`` first to switch).
+    Every rank passes the same ``init_file``; a single rank may omit it."""
     if _DIST["ready"]:
         return
     from vllm.distributed import (
@@ -155,21 +158,37 @@ def _init_dist() -> None:
         initialize_model_parallel,
     )
 
-    with tempfile.NamedTemporaryFile(delete=False) as f:
-        init_file = f.name
+    if init_file is None:
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            init_file = f.name
     init_distributed_environment(
-        world_size=1,
-        rank=0,
+        world_size=world_size,
+        rank=rank,
         distributed_init_method=f"file://{init_file}",
-        local_rank=0,
+        local_rank=rank,
         backend="gloo",
     )
-    initialize_model_parallel(1, 1)
-    from vllm.v1.worker.workspace import init_workspace_manager
+    initialize_model_parallel(world_size, 1)
+    if not _DIST["workspace"]:
+        from vllm.v1.worker.workspace import init_workspace_manager
 
-    # The GPU model runner does this; the context-KV path takes scratch from it.
-    init_workspace_manager(torch.device("cpu"))
+        # The GPU model runner does this; the context-KV path takes scratch from it.
+        init_workspace_manager(torch.device("cpu"))
+        _DIST["workspace"] = True
     _DIST["ready"] = True
+
+
+def leave_dist() -> None:
+    """Tear down the world ``init_dist`` joined (never in a forked child: the
+    process groups' threads live in the process that created them)."""
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    _DIST["ready"] = False
 
 
 class _ConfigStub(SimpleNamespace):
@@ -306,7 +325,7 @@ def build(
     checkpoint_dir = checkpoint_dir or tempfile.mkdtemp(prefix="k3-dspark-ckpt-")
     tensors = write_checkpoint(hf_config, checkpoint_dir, seed)
     with config_context(vllm_config):
-        _init_dist()
+        init_dist()
         model = cls(vllm_config=vllm_config, prefix="")
         loaded = model.load_weights(read_checkpoint(checkpoint_dir))
         for module in model.modules():

@@ -5,8 +5,13 @@ queries vLLM makes while resolving the platform (``gcnArchName`` for ROCm,
 compute capability for CUDA), registers CPU bodies for the compiled ops the
 drafter touches (``ops.install``) and stubs the two things a driver-less CUDA
 build of torch cannot answer (stream capture state, vLLM's workspace manager).
-Never call it in the pytest process itself: it is per-process and cannot be
-undone; the zygote applies it in a dedicated child process.
+The device is the CPU: ``torch.cuda.is_available()`` is False, collectives go
+through vLLM's CPU communicator, and vLLM's model-class inspection runs in this
+(emulated) process with a cache of its own.
+Never call it in a pytest process that also runs default-platform tests: it
+is per-process and cannot be undone. The zygote applies it in a dedicated
+child process; the ``rocm_emulation`` pytest plugin in a pytest process of its
+own.
 """
 
 from __future__ import annotations
@@ -112,6 +117,21 @@ def _stub_missing_prefill_backend(platform) -> None:
     platform.get_mla_prefill_backend_cls = get_mla_prefill_backend_cls
 
 
+def _keep_model_inspection_emulated(mode: str) -> None:
+    """vLLM learns a model class's capabilities (``_ModelInfo``) in a fresh
+    interpreter, to keep CUDA out of its own; that interpreter would resolve
+    this machine's platform, not the emulated one, and there is no device to
+    keep out here. It also caches them on disk keyed by the source files only:
+    an emulated process keeps its own cache, apart from un-emulated runs."""
+    import vllm.envs as envs
+    from vllm.model_executor.models import registry
+
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(
+        envs.VLLM_CACHE_ROOT, f"emulated-{mode}"
+    )
+    registry._run_in_subprocess = lambda fn: fn()
+
+
 def activate(mode: str) -> None:
     global _ACTIVE
     if mode not in MODES:
@@ -141,6 +161,11 @@ def activate(mode: str) -> None:
     torch.cuda.device_count = lambda: 1
     # A CUDA build of torch without a driver raises here; nothing is captured.
     torch.cuda.is_current_stream_capturing = lambda: False
+    # There is no device memory: tensors live on the CPU. vLLM sets
+    # PYTORCH_NVML_BASED_CUDA_CHECK, which makes is_available() read the
+    # device count above; code that puts tensors on "cuda" when a GPU is
+    # available must keep them on the CPU instead.
+    torch.cuda.is_available = lambda: False
 
     _install_triton_driver_stub(mode, props)
 
@@ -159,8 +184,14 @@ def activate(mode: str) -> None:
     # vLLM's own custom ops (unified attention, cache update) register under
     # the platform's dispatch key; our tensors are CPU tensors.
     platform.dispatch_key = "CPU"
+    # More than one rank: the platform's device communicator is the GPU one
+    # (NCCL/RCCL); the CPU's runs the collectives over gloo.
+    platform.get_device_communicator_cls = lambda: (
+        "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+    )
     _stub_missing_prefill_backend(platform)
     platforms._current_platform = platform
+    _keep_model_inspection_emulated(mode)
 
     from . import ops
 

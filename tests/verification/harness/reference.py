@@ -382,3 +382,18 @@ def fused_add_rms_norm(
     summed = (x.float() + residual.float()).to(x.dtype)
     residual.copy_(summed)
     rms_norm(x, summed, weight, eps)
+
+
+def fused_q_kv_rmsnorm(
+    qr: torch.Tensor,
+    kv: torch.Tensor,
+    q_weight: torch.Tensor,
+    kv_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vllm/models/common/ops/fused_qk_rmsnorm.py (Triton): RMSNorm of the
+    q-LoRA and KV latents, one launch, new tensors."""
+    q_out, kv_out = torch.empty_like(qr), torch.empty_like(kv)
+    rms_norm(q_out, qr, q_weight, eps)
+    rms_norm(kv_out, kv, kv_weight, eps)
+    return q_out, kv_out
