@@ -315,8 +315,11 @@ class Project:
 
     # environment
     def env(self) -> dict[str, str]:
+        # Not MAKELEVEL/MAKEFLAGS either: under `make test` a nested make would
+        # say `make[1]:` where the user's top-level make says `make:`.
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PIP_", "GIT_", "K3_"))}
+               if not k.startswith(("PIP_", "GIT_", "K3_"))
+               and k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
         env.update({
             "PYTHONPATH": str(REPO),
             "PYTHONDONTWRITEBYTECODE": "1",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import warnings
 
 import pytest
@@ -65,8 +64,7 @@ def engine(project, tmp_path):
 
 
 def make(project, *args):
-    return subprocess.run(["make", "-s", "-C", str(REPO), f"PYTHON={PYTHON}", *args],
-                          env=project.env(), capture_output=True, text=True, timeout=120)
+    return project.make(*args, timeout=120)
 
 
 def test_without_a_daemon_one_line_names_the_command_to_run_elsewhere(project, engine):

@@ -161,11 +161,6 @@ def activate(mode: str) -> None:
     torch.cuda.device_count = lambda: 1
     # A CUDA build of torch without a driver raises here; nothing is captured.
     torch.cuda.is_current_stream_capturing = lambda: False
-    # There is no device memory: tensors live on the CPU. vLLM sets
-    # PYTORCH_NVML_BASED_CUDA_CHECK, which makes is_available() read the
-    # device count above; code that puts tensors on "cuda" when a GPU is
-    # available must keep them on the CPU instead.
-    torch.cuda.is_available = lambda: False
 
     _install_triton_driver_stub(mode, props)
 
@@ -192,6 +187,15 @@ def activate(mode: str) -> None:
     _stub_missing_prefill_backend(platform)
     platforms._current_platform = platform
     _keep_model_inspection_emulated(mode)
+    # vLLM decides once, when vllm.triton_utils is imported, whether Triton has
+    # an active driver (the stub above; Triton's CUDA driver also asks
+    # is_available()), so that import comes first. Then: there is no device
+    # memory, tensors live on the CPU. vLLM sets PYTORCH_NVML_BASED_CUDA_CHECK,
+    # which makes is_available() read the device count above; code that puts
+    # tensors on "cuda" when a GPU is available must keep them on the CPU.
+    import vllm.triton_utils  # noqa: F401
+
+    torch.cuda.is_available = lambda: False
 
     from . import ops
 
