@@ -17,6 +17,7 @@ from vllm.models.kimi_k3.amd.mla import KimiK3MultiHeadLatentAttentionWrapper
 from vllm.models.kimi_k3.common import dspark_mla as common_dspark_mla
 from vllm.platforms import current_platform
 from vllm.transformers_utils.configs.k3_dspark import K3DSparkConfig
+from vllm.utils.torch_utils import set_default_torch_dtype
 
 pytestmark = pytest.mark.skipif(not current_platform.is_rocm(), reason="ROCm only")
 
@@ -63,7 +64,12 @@ def _build_layer(config: K3DSparkConfig) -> amd_dspark_mla.K3DSparkDecoderLayer:
     vllm_config.model_config = SimpleNamespace(
         hf_text_config=config, dtype=torch.bfloat16, rswa_window=None
     )
-    with set_current_vllm_config(vllm_config), torch.device("cuda"):
+    device = torch.device(current_platform.device_type)
+    with (
+        set_current_vllm_config(vllm_config),
+        set_default_torch_dtype(torch.bfloat16),
+        device,
+    ):
         return amd_dspark_mla.K3DSparkDecoderLayer(
             vllm_config=vllm_config,
             config=config,
