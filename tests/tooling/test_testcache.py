@@ -47,8 +47,9 @@ def test_verify():
     assert needed is None or Path(needed).exists()
 """
 ALL_ROWS = {"tooling", "lint", "recipes", "stack", "prefix 1/3", "prefix 2/3",
-            "regression", "verification"}
-FULL_STACK_ROWS = {"lint", "stack", "regression", "verification"}
+            "regression", "verification", "stack (ROCm)", "regression (ROCm)"}
+FULL_STACK_ROWS = {"lint", "stack", "regression", "verification", "stack (ROCm)",
+                   "regression (ROCm)"}
 
 _TEMPLATE: dict[str, Path] = {}
 
@@ -82,6 +83,10 @@ def _make_suite_project(project) -> None:
     for path, text in {"tests/tooling/test_tool.py": TOOLING_TEST,
                        "tests/verification/test_verify.py": VERIFY_TEST,
                        "tests/vllm_regression.txt": "tests/test_bar.py\n",
+                       # The (ROCm) rows' plugin and list; the fake plugin emulates nothing.
+                       "tests/rocm_emulation/__init__.py": "",
+                       "tests/rocm_emulation/plugin.py": "",
+                       "tests/vllm_regression_rocm.txt": "# nothing to leave out\n",
                        "requirements/venv.lock": "pytest==8.0.0 --hash=sha256:00\n",
                        "README.md": "# fake\n"}.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
@@ -314,8 +319,9 @@ def test_the_summary_records_counts_commands_and_reuse(suites):
     summary = _summary(suites)
     rows = {row["name"]: row for row in summary["rows"]}
     assert list(rows) == ["tooling", "lint", "recipes", "stack", "prefix 1/3",
-                          "prefix 2/3", "regression", "verification"]
-    assert (summary["rows_run"], summary["rows_reused"]) == (5, 3)
+                          "prefix 2/3", "regression", "verification", "stack (ROCm)",
+                          "regression (ROCm)"]
+    assert (summary["rows_run"], summary["rows_reused"]) == (7, 3)
     assert rows["stack"]["parts"] == [{
         "command": "pytest -q tests/test_foo.py tests/test_new.py", "where": "build/vllm",
         "passed": 2, "failed": 0, "skipped": 0}]

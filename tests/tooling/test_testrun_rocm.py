@@ -39,9 +39,10 @@ def test_rocm_rows_load_the_plugin_and_apply_the_list(tmp_path):
         "--deselect",
         "tests/a.py::test_gpu[",
     ]
-    # The plugin's packages are imported from <root>/tests: in the vLLM tree,
-    # `tests` is vLLM's own package.
-    assert python_path.split(os.pathsep) == [str(tmp_path / "tests"), str(tmp_path)]
+    # vLLM comes from the tree under test; the plugin's packages are imported
+    # from <root>/tests: in the vLLM tree, `tests` is vLLM's own package.
+    assert python_path.split(os.pathsep) == [
+        str(layout.tree), str(tmp_path / "tests"), str(tmp_path)]
 
 
 @pytest.mark.parametrize(
