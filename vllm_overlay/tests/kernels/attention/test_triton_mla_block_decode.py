@@ -9,8 +9,8 @@ on the block flattened to one decode row per token (as ``TritonMLAImpl``
 decoded non-causal blocks before), up to floating-point reordering: outputs and
 LSEs, for bf16, fp16 and fp8 (e4m3fn, and MI300's e4m3fnuz) caches, vLLM's page
 sizes, ragged context lengths with a CUDA-graph padding request of length 0,
-one and several KV splits, 2 to 8 tokens and 8 to 64 heads, and every tile the
-kernel picks on NVIDIA and ROCm.
+one and several KV splits (more than a context fills), 2 to 8 tokens and 8 to
+64 heads, and every tile the kernel picks on NVIDIA and ROCm.
 
 On a GPU both kernels run compiled. Without one, they run on CPU tensors in
 Triton's interpreter, in a spawned pool of worker processes: Triton picks the
@@ -66,6 +66,10 @@ CASES = [
     Case("e4m3fnuz-page64", 8, 8, (129, 1, 0), 64, torch.float8_e4m3fnuz),
     Case("fp16-page16", 6, 8, (77, 31), 16, torch.float16, q_dtype=torch.float16),
     Case("bf16-one-split", 4, 8, (200, 45), 16, torch.bfloat16, num_kv_splits=1),
+    # More splits than a short context fills (stage 1 skips the empty ones and
+    # stage 2 must not read them), and a count that is not a power of 2.
+    Case("bf16-16-splits", 3, 8, (5, 70, 0), 16, torch.bfloat16, num_kv_splits=16),
+    Case("e4m3fn-6-splits", 2, 16, (3, 40), 1, torch.float8_e4m3fn, num_kv_splits=6),
     Case("bf16-wide-rope", 2, 8, (60, 90), 64, torch.bfloat16, 48, 40),
     # Tiles the kernel picks on other hardware (see _mla_block_tile).
     Case(
@@ -333,6 +337,8 @@ SPLITS = [
     ((1, 4, 8, 4096, 256), 32),
     # ... but never past the scratch the workspace reserved.
     ((1, 4, 8, 4096, 16), 16),
+    # One request of 128k: 256 programs of a 32-row bf16 tile, two an SM.
+    ((1, 4, 8, 131072, 256), 256),
     # 16 long requests, 56 rows each (one tile): one wave of 128 programs.
     ((16, 7, 8, 65536, 256), 8),
     # 64 requests x 448 rows (7 tiles): 448 programs already; a second split

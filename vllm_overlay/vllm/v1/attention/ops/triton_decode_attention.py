@@ -834,6 +834,11 @@ class _MLABlockTile:
     block_n: int  # KV tokens per iteration
     num_warps: int
     num_stages: int
+    # An fp8 tile is loaded a second time for PV (see the kernel).
+    reload_fp8_v: bool = False
+    # Programs of this tile that run at once on an SM (registers, shared
+    # memory), for the split heuristic.
+    programs_per_sm: int = 1
 
 
 # Tiles measured best on an H200 (512 + 64 latent, pages of 64), by query rows
@@ -841,18 +846,20 @@ class _MLABlockTile:
 # (64 x 512) is 128 registers a thread there. Shared memory at 576-wide rows:
 # the query tile (72 KiB at 64 rows) plus the KV stages (bf16: 2 x 72 KiB;
 # fp8: 72 KiB loaded to registers and converted into 144 KiB), 216 KiB in all,
-# within the 227 KiB of Hopper and datacenter Blackwell.
+# within the 227 KiB of Hopper and datacenter Blackwell. 32-row tiles: bf16
+# 112 KiB and 4 warps (two programs an SM), fp8 108 KiB and 8 warps of 255
+# registers (the register file: one an SM), as compiled for an H200.
 _MLA_BLOCK_TILES_LARGE_SMEM = {
     (64, False): _MLABlockTile(64, 64, 8, 2),
     (64, True): _MLABlockTile(64, 128, 8, 1),
-    (32, False): _MLABlockTile(32, 64, 4, 2),
-    (32, True): _MLABlockTile(32, 32, 4, 2),
+    (32, False): _MLABlockTile(32, 64, 4, 2, programs_per_sm=2),
+    (32, True): _MLABlockTile(32, 64, 8, 3, reload_fp8_v=True),
 }
 _LARGE_SMEM_BYTES = 216 * 1024
 # Elsewhere (A100: 164 KiB, consumer parts: ~100 KiB): 32 rows and 32 KV
 # tokens, 70-74 KiB as compiled for an H200 (2 x 36 KiB of KV stages; the
 # query tile passes through shared memory once).
-_MLA_BLOCK_TILE_SMALL_SMEM = _MLABlockTile(32, 32, 4, 2)
+_MLA_BLOCK_TILE_SMALL_SMEM = _MLABlockTile(32, 32, 4, 2, reload_fp8_v=True)
 # ROCm (CDNA3: 64 KiB of LDS), one stage like the grouped kernel: the MFMA
 # operands pass through LDS, 36 KiB of query once and 18 KiB of KV a tile.
 _MLA_BLOCK_TILE_ROCM = _MLABlockTile(32, 16, 4, 1)
@@ -906,7 +913,7 @@ def mla_block_decode_num_kv_splits(
     while splits <= max_kv_splits and (
         splits == 1 or triton.cdiv(max_seq_len, splits) >= _MLA_BLOCK_MIN_SPLIT_TOKENS
     ):
-        waves = triton.cdiv(num_programs * splits, num_sms)
+        waves = triton.cdiv(num_programs * splits, num_sms * tile.programs_per_sm)
         work = triton.cdiv(max_seq_len, splits) + _MLA_BLOCK_SPLIT_OVERHEAD_TOKENS
         if waves * work < best_cost:
             best_splits, best_cost = splits, waves * work
@@ -941,6 +948,7 @@ def _fwd_mla_block_kernel_stage1(
     PAGE_SIZE: tl.constexpr,
     Lk: tl.constexpr,
     Lv: tl.constexpr,
+    RELOAD_FP8_V: tl.constexpr,
 ):
     row_tile = tl.program_id(0)
     split_kv_id = tl.program_id(1)
@@ -977,8 +985,9 @@ def _fwd_mla_block_kernel_stage1(
         # An fp8 cache is multiplied by its scale after the dots rather than
         # before: the latent is both K and V, read once in the query's dtype.
         # Like the grouped kernel, a 16-bit cache ignores the scale.
+        KV_FP8: tl.constexpr = KV_Buffer.dtype.element_ty.is_fp8()
         scale = 1.0
-        if KV_Buffer.dtype.element_ty.is_fp8():
+        if KV_FP8:
             scale = tl.load(kv_scale)
         qk_scale = sm_scale_log2 * scale
         e_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -1007,11 +1016,9 @@ def _fwd_mla_block_kernel_stage1(
                 offs_kv = (
                     pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
                 )
-            kv = tl.load(
-                KV_Buffer + offs_kv[:, None] + offs_dv[None, :],
-                mask=mask_n[:, None] & mask_dv[None, :],
-                other=0.0,
-            ).to(q.dtype)
+            kv_ptrs = KV_Buffer + offs_kv[:, None] + offs_dv[None, :]
+            mask_kv = mask_n[:, None] & mask_dv[None, :]
+            kv = tl.load(kv_ptrs, mask=mask_kv, other=0.0).to(q.dtype)
             qk = tl.dot(q, tl.trans(kv))
             if BLOCK_DPE > 0:
                 k_pe = tl.load(
@@ -1026,6 +1033,14 @@ def _fwd_mla_block_kernel_stage1(
             re_scale = tl.exp2(e_max - n_e_max)
             p = tl.exp2(qk - n_e_max[:, None])
             e_sum = e_sum * re_scale + tl.sum(p, 1)
+            if KV_FP8 and RELOAD_FP8_V:
+                # Loaded again for PV, from L1/L2: Triton copies a load with one
+                # use asynchronously (pipelined); a converted tile with two uses
+                # is loaded synchronously every iteration. Costlier than the
+                # stall for 64-row tiles, which have no registers to spare.
+                kv = tl.load(kv_ptrs, mask=mask_kv, other=0.0, cache_modifier=".ca").to(
+                    q.dtype
+                )
             acc = tl.dot(p.to(q.dtype), kv, acc * re_scale[:, None])
             e_max = n_e_max
 
@@ -1045,6 +1060,57 @@ def _fwd_mla_block_kernel_stage1(
             (e_max + tl.log2(e_sum)) * 0.6931471805599453,
             mask=mask_m,
         )
+
+
+@triton.jit
+def _fwd_mla_block_kernel_stage2(
+    Mid_O,
+    Out,
+    Lse,
+    Seq_Lens,
+    rows_per_req,
+    stride_mid_row,
+    stride_mid_split,
+    stride_o_row,
+    NUM_KV_SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    Lv: tl.constexpr,
+):
+    # One program per query row and BLOCK_DV output columns reads all the
+    # row's splits as one [BLOCK_SPLITS, BLOCK_DV] tile. _fwd_kernel_stage2
+    # reads them one after the other, which took longer than stage 1 for a
+    # single request split hundreds of ways.
+    row = tl.program_id(0)
+    dv_tile = tl.program_id(1)
+    seq_len = tl.load(Seq_Lens + row // rows_per_req)
+    kv_len_per_split = tl.cdiv(seq_len, NUM_KV_SPLITS)
+    mid = Mid_O + row.to(tl.int64) * stride_mid_row
+
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    # Stage 1 skipped (and did not write) the splits that start past the end;
+    # so does every s >= NUM_KV_SPLITS, the padding of BLOCK_SPLITS.
+    written = offs_s * kv_len_per_split < seq_len
+    split_lse = tl.load(
+        mid + offs_s * stride_mid_split + Lv, mask=written, other=float("-inf")
+    )
+    e_max = tl.max(split_lse, 0)
+    weight = tl.where(written, tl.exp(split_lse - e_max), 0.0)
+    # A row without KV (a padding request) gets 0 / 0 and a -inf LSE, as from
+    # _fwd_kernel_stage2.
+    e_sum = tl.sum(weight, 0)
+
+    offs_d = dv_tile * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < Lv
+    split_o = tl.load(
+        mid + offs_s[:, None] * stride_mid_split + offs_d[None, :],
+        mask=written[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    o = tl.sum(weight[:, None] * split_o, 0) / e_sum
+    tl.store(Out + row.to(tl.int64) * stride_o_row + offs_d, o, mask=mask_d)
+    if dv_tile == 0:
+        tl.store(Lse + row, e_max + tl.log(e_sum))
 
 
 def decode_attention_fwd_mla_block(
@@ -1118,18 +1184,27 @@ def decode_attention_fwd_mla_block(
         PAGE_SIZE=page_size,
         Lk=Lk,
         Lv=Lv,
+        RELOAD_FP8_V=tile.reload_fp8_v,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **extra_kargs,
     )
-    # Stage 2 merges the splits per (request, row). Its launcher reads only the
-    # grid (q's first two dims) and Lv from the tensors it is given.
-    _decode_softmax_reducev_fwd(
+    # Stage 2 merges each row's splits, in tiles of at most 16K partial outputs:
+    # many splits (a few requests) take narrow column tiles.
+    block_splits = triton.next_power_of_2(num_kv_splits)
+    block_dv = min(triton.next_power_of_2(Lv), max(16, 16384 // block_splits))
+    _fwd_mla_block_kernel_stage2[(num_reqs * rows, triton.cdiv(Lv, block_dv))](
         mid,
         o_rows,
-        o_rows,
-        lse.view(num_reqs, rows),
-        o_rows,
+        lse,
         seq_lens,
-        num_kv_splits,
+        rows,
+        mid.stride(1),
+        mid.stride(2),
+        o_rows.stride(1),
+        NUM_KV_SPLITS=num_kv_splits,
+        BLOCK_SPLITS=block_splits,
+        BLOCK_DV=block_dv,
+        Lv=Lv,
+        num_warps=8 if block_splits * block_dv >= 8192 else 4,
     )
