@@ -146,7 +146,9 @@ def test_rows(layout: Layout, base: str, results_dir: Path,
     in_tree = python_path(layout, layout.tree)
     rows = [
         # The tooling tests build fake releases of their own; they never read build/vllm.
-        _pytest_row(layout, "tooling", ["tests/tooling"], layout.root, results_dir, tree=None),
+        # test_runbook compares docs/runbook-example with what the runbook writes.
+        _pytest_row(layout, "tooling", ["tests/tooling"], layout.root, results_dir, tree=None,
+                    inputs=("docs/runbook-example",)),
         Row("lint", tree, ("vllm pre-commit", base),
             lambda: _lint(layout, base, layout.tree)),
         # hadolint reads only the project's recipes (part of every row's key).
@@ -288,9 +290,11 @@ def _prefix_rows(layout: Layout, base: str, results_dir: Path,
 
 
 def _pytest_row(layout: Layout, suite: str, args: list[str], cwd: Path, results_dir: Path,
-                *, tree: str | None, python_path: str | None = None) -> Row:
+                *, tree: str | None, python_path: str | None = None,
+                inputs: tuple[str, ...] = ()) -> Row:
     return Row(suite, tree, ("pytest", rel(cwd, layout), *args),
-               lambda: _pytest(layout, suite, args, cwd, results_dir, python_path))
+               lambda: _pytest(layout, suite, args, cwd, results_dir, python_path),
+               inputs=inputs)
 
 
 def _pytest(layout: Layout, suite: str, args: list[str], cwd: Path,

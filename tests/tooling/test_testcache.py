@@ -221,6 +221,16 @@ def test_prose_and_the_exported_patches_are_no_inputs(suites):
     assert _ran(suites) == set()
 
 
+def test_the_runbook_example_is_an_input_of_the_tooling_row_only(suites):
+    """docs/ is prose, but tests/tooling compares docs/runbook-example with what
+    the runbook writes: a hand edit there must rerun that row."""
+    example = suites.root / "docs" / "runbook-example"
+    example.mkdir(parents=True)
+    (example / "summary.md").write_text("# edited by hand\n")
+    assert _test(suites) == 0
+    assert _ran(suites) == {"tooling"}
+
+
 def test_in_a_git_checkout_ignored_files_are_no_inputs_and_new_ones_are(suites):
     """The project's files are what git lists: a cache folder the project
     ignores changes no key; a new test file nobody committed yet does."""
