@@ -139,6 +139,36 @@ def _use_interpreter_dot_for_bf16() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot_bf16
 
 
+def _flattened_decode(
+    case: Case, x: dict, logits: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of decode_attention_fwd on the block flattened to one decode row
+    per token, as forward_mqa decoded non-causal blocks before; `logits` is
+    its scratch, whose third dimension is the split count."""
+    from vllm.v1.attention.ops import triton_decode_attention as ops
+
+    q, kv_cache = x["q"], x["kv_cache"].unsqueeze(2)
+    o = q.new_zeros(*q.shape[:2], case.kv_lora_rank)
+    lse = q.new_zeros(q.shape[:2])
+    ops.decode_attention_fwd(
+        q,
+        kv_cache,
+        kv_cache[..., : case.kv_lora_rank],
+        o,
+        lse,
+        x["block_table"].repeat_interleave(case.query_len, dim=0),
+        x["seq_lens"].repeat_interleave(case.query_len),
+        logits,
+        logits.shape[2],
+        scale,
+        case.page_size,
+        k_scale=x["kv_scale"],
+        v_scale=x["kv_scale"],
+        is_mla=True,
+    )
+    return o, lse
+
+
 def _decode_both_ways(case: Case) -> dict[str, torch.Tensor]:
     """(o, lse) of the block kernel and of the flattened decode."""
     from vllm.v1.attention.ops import triton_decode_attention as ops
@@ -149,23 +179,16 @@ def _decode_both_ways(case: Case) -> dict[str, torch.Tensor]:
     x = _inputs(case, device)
     q, kv_cache = x["q"], x["kv_cache"].unsqueeze(2)
     num_tokens, num_heads, _ = q.shape
-    num_splits = case.num_kv_splits
     scale = q.shape[-1] ** -0.5
 
-    def outputs():
-        return (
-            torch.zeros(
-                num_tokens, num_heads, case.kv_lora_rank, dtype=q.dtype, device=device
-            ),
-            torch.zeros(num_tokens, num_heads, dtype=q.dtype, device=device),
-            torch.empty(
-                num_tokens, num_heads, num_splits, case.kv_lora_rank + 1, device=device
-            ),
-        )
+    def scratch() -> torch.Tensor:
+        # The split count is the caller's (mla_block_decode_num_kv_splits picks
+        # one for forward_mqa); the contexts here are too short for it to split.
+        shape = (num_tokens, num_heads, case.num_kv_splits, case.kv_lora_rank + 1)
+        return torch.empty(shape, device=device)
 
-    # The split count is the caller's (mla_block_decode_num_kv_splits picks
-    # one for forward_mqa); the contexts here are too short for it to split.
-    o, lse, logits = outputs()
+    o = q.new_zeros(num_tokens, num_heads, case.kv_lora_rank)
+    lse = q.new_zeros(num_tokens, num_heads)
     tile = contextlib.nullcontext()
     # A GPU compiles its own platform's tiles; others may not fit its memory.
     if case.tile is not None and device == "cpu":
@@ -179,28 +202,12 @@ def _decode_both_ways(case: Case) -> dict[str, torch.Tensor]:
             lse,
             x["block_table"],
             x["seq_lens"],
-            logits,
+            scratch(),
             scale,
             case.page_size,
             x["kv_scale"],
         )
-    flat_o, flat_lse, logits = outputs()
-    ops.decode_attention_fwd(
-        q,
-        kv_cache,
-        kv_cache[..., : case.kv_lora_rank],
-        flat_o,
-        flat_lse,
-        x["block_table"].repeat_interleave(case.query_len, dim=0),
-        x["seq_lens"].repeat_interleave(case.query_len),
-        logits,
-        num_splits,
-        scale,
-        case.page_size,
-        k_scale=x["kv_scale"],
-        v_scale=x["kv_scale"],
-        is_mla=True,
-    )
+    flat_o, flat_lse = _flattened_decode(case, x, scratch(), scale)
     results = dict(o=o, lse=lse, flat_o=flat_o, flat_lse=flat_lse)
     return {name: value.cpu() for name, value in results.items()}
 
@@ -209,7 +216,6 @@ def _forward_mqa_both_ways(case: Case) -> dict[str, torch.Tensor]:
     """TritonMLAImpl.forward_mqa on a non-causal block (the block kernel), and
     the flattened decode it used to run, on the same inputs."""
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
-    from vllm.v1.attention.ops import triton_decode_attention as ops
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -228,24 +234,8 @@ def _forward_mqa_both_ways(case: Case) -> dict[str, torch.Tensor]:
     q_nope, q_pe = x["q"].split([rank, case.rope_dim], dim=-1)
     o, lse = impl.forward_mqa((q_nope, q_pe), x["kv_cache"], metadata, layer)
 
-    kv_cache = x["kv_cache"].unsqueeze(2)
-    flat_o, flat_lse = torch.zeros_like(o), torch.zeros_like(lse)
-    ops.decode_attention_fwd(
-        x["q"],
-        kv_cache,
-        kv_cache[..., :rank],
-        flat_o,
-        flat_lse,
-        x["block_table"].repeat_interleave(case.query_len, dim=0),
-        x["seq_lens"].repeat_interleave(case.query_len),
-        torch.empty(*o.shape[:2], 1, rank + 1, device=device),
-        1,
-        impl.scale,
-        case.page_size,
-        k_scale=x["kv_scale"],
-        v_scale=x["kv_scale"],
-        is_mla=True,
-    )
+    logits = torch.empty(*o.shape[:2], 1, rank + 1, device=device)
+    flat_o, flat_lse = _flattened_decode(case, x, logits, impl.scale)
     results = dict(o=o, lse=lse, flat_o=flat_o, flat_lse=flat_lse)
     return {name: value.cpu() for name, value in results.items()}
 
