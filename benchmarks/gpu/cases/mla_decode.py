@@ -24,6 +24,7 @@ vllm.triton_utils and vllm.platforms):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
 import statistics
@@ -244,13 +245,13 @@ TREES = ("pristine", "patched")
 # Candidate tiles of the patched kernel for --sweep, by class of row tile
 # (64 rows, or 32 and fewer): KV tokens per iteration, warps, stages.
 SWEEP_TILES = {
-    64: ((64, 8, 2), (64, 8, 1), (128, 8, 1), (32, 8, 2), (32, 8, 3)),
-    32: ((32, 4, 2), (64, 4, 2), (64, 4, 1), (16, 4, 3), (32, 4, 3)),
+    64: ((64, 8, 2), (64, 8, 1), (128, 8, 1), (32, 8, 2), (32, 8, 3), (16, 8, 3)),
+    32: ((32, 4, 2), (64, 4, 2), (64, 4, 1), (16, 4, 3), (32, 4, 3), (64, 8, 3)),
 }
 if torch.version.hip:  # one stage: CDNA3 has 64 KiB of LDS
     SWEEP_TILES = {
-        64: ((16, 4, 1), (32, 4, 1), (16, 8, 1), (32, 8, 1), (64, 8, 1)),
-        32: ((16, 4, 1), (32, 4, 1), (16, 8, 1), (32, 8, 1), (64, 4, 1)),
+        64: ((16, 4, 1), (32, 4, 1), (16, 8, 1), (32, 8, 1), (64, 8, 1), (16, 8, 2)),
+        32: ((16, 4, 1), (32, 4, 1), (16, 8, 1), (32, 8, 1), (64, 4, 1), (16, 4, 2)),
     }
 SWEEP_SHAPES = (
     "16 x  64k q7 h8  bf16",
@@ -463,8 +464,11 @@ def check_ragged(load_flat, load_new) -> None:
                         )
                     )
                     cases += 1
-                    print(f"  page {page} q{query_len} h{heads} {kv}: o {d_o:.1e} "
-                          f"lse {d_lse:.1e}", flush=True)
+                    print(
+                        f"  page {page} q{query_len} h{heads} {kv}: o {d_o:.1e} "
+                        f"lse {d_lse:.1e}",
+                        flush=True,
+                    )
                     if not same_output(b_real, a_real) or not pad_same:
                         print(
                             f"MISMATCH page {page} q{query_len} h{heads} {kv}: "
@@ -479,14 +483,19 @@ def tile_class(rows: int) -> int:
 
 
 def with_tiles(load, choose) -> dict:
-    """A patched call whose tile chooser is choose(class, kv_is_fp8)."""
+    """A patched call whose tile chooser is choose(class, kv_is_fp8); the
+    table tile's other fields (rows, fp8 reload, programs per SM) are kept."""
     ops = load(OPS)
     original = ops._mla_block_tile
 
     def tile(rows, kv_dtype, device):
-        block_m = original(rows, kv_dtype, device).block_m
         n, warps, stages = choose(tile_class(rows), kv_dtype.itemsize == 1)
-        return ops._MLABlockTile(block_m, n, warps, stages)
+        return dataclasses.replace(
+            original(rows, kv_dtype, device),
+            block_n=n,
+            num_warps=warps,
+            num_stages=stages,
+        )
 
     ops._mla_block_tile = tile
     return bind(lambda name: ops)
