@@ -32,11 +32,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.common import Layout, StackError, rel, run, say, warn
+from scripts.common import Layout, StackError, rel, say, warn
 from scripts.gitrepo import commits_since, git, is_stack_repo, read_state
 from scripts.pin import load_pin
 from scripts.series import Patch, read_series
-from scripts.stack import FORMAT_PATCH, guard_tree, render_commit
+from scripts.stack import guard_tree, render_commit
 from scripts.testcache import read_summary, shown_date
 
 EXPORT = "export"
@@ -167,11 +167,6 @@ def resign(tree: Path, commit: str, parent: str, submitter: Person,
                input=message).stdout.strip()
 
 
-def render(tree: Path, commit: str, objects: dict[str, str]) -> bytes:
-    return run(["git", "-C", str(tree), *FORMAT_PATCH, "-1", commit], env=objects,
-               text=False).stdout
-
-
 @contextmanager
 def scratch_index(tree: Path, base: str, objects: dict[str, str]) -> Iterator[dict[str, str]]:
     """A temporary index holding `base`, for `git apply --cached` trials."""
@@ -186,13 +181,14 @@ def applies(tree: Path, patch: Path, env: dict[str, str], check: bool = False) -
     return git(tree, *args, str(patch), env=env, check=False).returncode == 0
 
 
-# --- independence -----------------------------------------------------------------
+# --- what each patch needs ----------------------------------------------------------
 
 _DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
 _NEW_FILE = re.compile(r"^diff --git a/\S+ b/(\S+)\nnew file mode", re.M)
 _DEFINED = re.compile(r"^\+\s*(?:async\s+def|def|class)\s+([A-Za-z_]\w*)"
                       r"|^\+([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
 _WORD = re.compile(r"[A-Za-z_]\w*")
+_BYTE_WORD = re.compile(rb"\w+")  # git grep -w's words: runs of [A-Za-z0-9_]
 
 
 @dataclass
@@ -215,32 +211,44 @@ class PatchFacts:
         return cls(files, modules, defines, added)
 
 
-def independence(tree: Path, base: str, patch_files: list[Path],
-                 objects: dict[str, str]) -> list[str | None]:
-    """Per patch after the first, None if it needs the ones before it, else the
-    evidence that it does not. (Sharing no file implies applying alone when the
-    series applies; the apply is checked anyway, as COVER.md states it.)"""
+@dataclass
+class Needs:
+    """The earlier patches (1-based) one patch needs, and why."""
+
+    patches: list[int]
+    reasons: list[str]  # one per patch it builds on directly
+
+
+def requirements(tree: Path, base: str, patch_files: list[Path],
+                 objects: dict[str, str]) -> list[Needs]:
+    """Per patch, the earlier ones it needs: those it shares a file with or whose
+    modules, functions or classes it uses, and what those need in turn; checked
+    by applying just them and it, in order, to the release. A patch that does not
+    apply so needs every patch before it."""
     facts = [PatchFacts.of(p.read_text(errors="replace")) for p in patch_files]
     new_names = _names_new_to(tree, base, set().union(*(f.defines for f in facts)))
-    verdicts: list[str | None] = []
+    result: list[Needs] = []
     for k, (path, mine) in enumerate(zip(patch_files, facts)):
-        if k == 0:
-            verdicts.append(None)  # nothing before it
-            continue
-        earlier = facts[:k]
-        with scratch_index(tree, base, objects) as env:
-            alone = applies(tree, path, env, check=True)
-        shared = mine.files & set().union(*(f.files for f in earlier))
         used_words = set(_WORD.findall(mine.added_text)) - mine.defines
-        uses = {m for f in earlier for m in f.modules if _imports(mine.added_text, m)}
-        uses |= used_words & new_names & set().union(*(f.defines for f in earlier))
-        if alone and not shared and not uses:
-            before = "patch 1" if k == 1 else f"patches 1-{k}"
-            verdicts.append(f"applies alone to {base}, shares no file with {before} "
-                            "and uses no module, function or class added there")
-        else:
-            verdicts.append(None)
-    return verdicts
+        direct: dict[int, str] = {}
+        for j, theirs in enumerate(facts[:k]):
+            uses = sorted({m for m in theirs.modules if _imports(mine.added_text, m)}
+                          | (used_words & new_names & theirs.defines))
+            shared = sorted(mine.files & theirs.files)
+            evidence = ([f"uses {_some(uses)} of #{j + 1}"] if uses else []) + (
+                [f"changes {_some(shared)} after #{j + 1}"] if shared else [])
+            if evidence:
+                direct[j] = " and ".join(evidence)
+        # 0-based, like `direct`: the patches it builds on and theirs in turn.
+        needed = set(direct).union(*({n - 1 for n in result[j].patches} for j in direct))
+        with scratch_index(tree, base, objects) as env:
+            applies_so = all(applies(tree, patch_files[j], env) for j in sorted(needed))
+            applies_so = applies_so and applies(tree, path, env, check=True)
+        if not applies_so:
+            needed = set(range(k))
+            direct = {k - 1: f"applies to {base} only after #1-#{k}"}
+        result.append(Needs(sorted(j + 1 for j in needed), list(direct.values())))
+    return result
 
 
 def _imports(text: str, module: str) -> bool:
@@ -254,13 +262,33 @@ def _imports(text: str, module: str) -> bool:
 
 
 def _names_new_to(tree: Path, base: str, names: set[str]) -> set[str]:
-    """The names that appear nowhere in the pristine release (dunders are never new)."""
-    candidates = sorted(n for n in names if not n.startswith("__"))
+    """The names that appear nowhere in the pristine release (dunders are never new).
+
+    The release is read once and split into words (as `git grep -w` sees them):
+    a `git grep` of a few hundred names over it takes minutes, this seconds."""
+    candidates = {n.encode() for n in names if not n.startswith("__")}
     if not candidates:
         return set()
-    args = [arg for n in candidates for arg in ("-e", n)]
-    found = git(tree, "grep", "-h", "-o", "-w", *args, base, check=False).stdout
-    return set(candidates) - {line.split(":", 1)[-1] for line in found.splitlines()}
+    found: set[bytes] = set()
+    for blob in _blobs(tree, base):
+        found |= candidates.intersection(_BYTE_WORD.findall(blob))
+    return {n.decode() for n in candidates - found}
+
+
+def _blobs(tree: Path, rev: str) -> Iterator[bytes]:
+    """The contents of every file of `rev` (all of them: `git archive` would honour
+    export-ignore attributes)."""
+    listing = git(tree, "ls-tree", "-r", "-z", rev).stdout
+    ids = [entry.split(None, 3)[2] for entry in listing.split("\0")
+           if entry and entry.split(None, 2)[1] == "blob"]
+    out = git(tree, "cat-file", "--batch", input=("\n".join(ids) + "\n").encode(),
+              text=False).stdout
+    position = 0
+    for _ in ids:  # each: "<id> blob <size>\n<content>\n"
+        header_end = out.index(b"\n", position)
+        size = int(out[position:header_end].split()[2])
+        yield out[header_end + 1:header_end + 1 + size]
+        position = header_end + 1 + size + 1
 
 
 # --- PR.md and COVER.md ---------------------------------------------------------------
@@ -296,6 +324,22 @@ def pr_description(template: str, message: Message, notes: Message,
 def _hex(commit: str) -> str:
     """A commit id as git takes it (setuptools-scm writes it with a "g" in front)."""
     return commit[1:] if re.fullmatch(r"g[0-9a-f]{7,40}", commit) else commit
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(f"`{n}`" for n in names[:shown]) + more
+
+
+def _numbers(patches: list[int]) -> str:
+    """[1, 2, 3, 5] -> "#1-#3, #5"."""
+    runs: list[list[int]] = []
+    for n in patches:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}-#{r[-1]}" for r in runs)
 
 
 def _title(subject: str) -> str:
@@ -355,22 +399,28 @@ def validation_text(summary: dict | None, tree_of_patch: str, k: int,
 
 def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[dict],
           summary: dict | None) -> str:
-    first = [e for e in entries[1:] if e["independent"]]
+    first = [e for e in entries[1:] if not e["needs"].patches]
     lines = [f"# K3 DSpark drafter on ROCm: {len(entries)} pull requests for vLLM", "",
              f"Base: vLLM {pin_version} (upstream commit `{_hex(pin_commit)}`). Every patch is "
              f"authored and signed off by {submitter}; the project's identity stays as "
              "`Co-authored-by:`.", "",
-             "Send them in this order. Each needs the ones before it unless its line says "
-             "otherwise.", "",
+             "Send them in this order: `make test` tests the tree after each prefix of it. "
+             "What a patch needs is read from the patches: the earlier ones it changes a "
+             "file of or whose modules, functions or classes it uses, and what those need "
+             "in turn; it applies to the release after just those.", "",
              "| # | pull request | folder | needs |", "| ---: | --- | --- | --- |"]
     for e in entries:
-        needs = ("nothing" if e["k"] == 1 or e["independent"]
-                 else ("#1" if e["k"] == 2 else f"#1-#{e['k'] - 1}"))
-        lines.append(f"| {e['k']} | {e['subject']} | `{e['folder']}/` | {needs} |")
+        lines.append(f"| {e['k']} | {e['subject']} | `{e['folder']}/` | "
+                     f"{_numbers(e['needs'].patches) or 'nothing'} |")
     lines.append("")
+    why = [f"- #{e['k']} needs {_numbers(e['needs'].patches)}: it "
+           + "; ".join(e["needs"].reasons) + "." for e in entries if e["needs"].patches]
+    if why:
+        lines += ["Why:", "", *why, ""]
     if first:
-        lines += ["Can go first, on the release alone:", ""]
-        lines += [f"- #{e['k']} `{e['folder']}`: it {e['independent']}." for e in first]
+        lines += ["Can go first, on the release alone (they apply to it, change no file "
+                  "of the patches before them and use nothing those add):", ""]
+        lines += [f"- #{e['k']} `{e['folder']}`" for e in first]
         lines.append("")
     else:
         lines += ["No patch after the first can go on the release alone.", ""]
@@ -416,6 +466,7 @@ def export_for_upstream(layout: Layout, signoff: str) -> None:
     summary = read_summary(layout)
     layout.build_dir.mkdir(exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=layout.build_dir))
+    say(f"exporting {len(patches)} patch(es) for {submitter}")
     try:
         entries = _write_series(layout, staging, patches, commits, base, submitter,
                                 template.stdout, summary)
@@ -443,7 +494,7 @@ def _write_series(layout: Layout, staging: Path, patches: list[Patch], commits: 
             (staging / folder).mkdir()
             parent = resign(tree, commit, parent, submitter, objects)
             out = staging / folder / patch.name
-            out.write_bytes(render(tree, parent, objects))
+            out.write_bytes(render_commit(layout, parent, env=objects))
             tree_of_patch = git(tree, "rev-parse", f"{commit}^{{tree}}").stdout.strip()
             # The file itself, applied after the ones before it, gives the patched tree.
             if not (applies(tree, out, index)
@@ -467,11 +518,13 @@ def _write_series(layout: Layout, staging: Path, patches: list[Patch], commits: 
             (staging / folder / "PR.md").write_text(description)
             entries.append({"k": k, "folder": folder, "subject": message.subject,
                             "file": out})
-        verdicts = independence(tree, base, [e["file"] for e in entries], objects)
+            say(f"  [{k}/{len(patches)}] {folder}/: re-signed, reproduces its commit, PR.md")
+        say("  which patches can go first: each tried alone on the release")
+        needs = requirements(tree, base, [e["file"] for e in entries], objects)
     for problem, numbers in problems.items():
         warn(f"{problem} (patch {', '.join(map(str, numbers))})")
-    for entry, verdict in zip(entries, verdicts):
-        entry["independent"] = verdict
+    for entry, need in zip(entries, needs):
+        entry["needs"] = need
     return entries
 
 

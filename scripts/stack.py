@@ -48,8 +48,9 @@ FORMAT_PATCH = ["-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false",
 AM = ["am", "--keep-non-patch", "--whitespace=nowarn", "--committer-date-is-author-date"]
 
 
-def render_commit(layout: Layout, commit: str) -> bytes:
-    return git(layout.tree, *FORMAT_PATCH, "-1", commit, text=False).stdout
+def render_commit(layout: Layout, commit: str, env: dict[str, str] | None = None) -> bytes:
+    """`commit` as its file in patches/ (`env`: e.g. a scratch object store to read from)."""
+    return git(layout.tree, *FORMAT_PATCH, "-1", commit, env=env, text=False).stdout
 
 
 def git_advice_removed(output: str) -> str:

@@ -83,6 +83,8 @@ def release_files(version: str, commit_id: str = "g1234567") -> dict[str, bytes]
         "vllm/models/foo.py": FOO_V1,
         "vllm/models/bar.py": "def bar():\n    return 'bar'\n",
         "tests/test_foo.py": TEST_FOO_V1,
+        # What `make export` fills in (vLLM's own template is in data/).
+        ".github/PULL_REQUEST_TEMPLATE.md": "## Purpose\n\n## Test Plan\n",
         "vllm.egg-info/PKG-INFO": f"Name: vllm\nVersion: {version}\n",
     }
     return {k: v.encode() for k, v in files.items()}

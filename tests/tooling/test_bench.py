@@ -13,9 +13,9 @@ def test_bench_prints_every_figure_and_leaves_the_project_alone(stacked):
     out = stacked.ok("bench").stdout
     for row in ("make check, cold (no build/)", "make check, again",
                 "make apply, cold (unpack + git am)", "make apply, again",
-                "make patches, unchanged stack"):
+                "make patches, unchanged stack", "make export (PR folders)"):
         assert row in out
-    assert out.count("within goal") + out.count("OVER GOAL") == 3
+    assert out.count("within goal") + out.count("OVER GOAL") == 4
     assert "patches" in out and "2 files" in out
     # The fake project has no .venv: the kernel budget is skipped, not fatal.
     assert "kernel budget: skipped, .venv is missing" in out

@@ -60,7 +60,8 @@ NOTES_1 = """\
 """
 # (subject, files): patch 2 and 7 are independent of the patches before them;
 # 3 imports a module 2 adds, 4 calls a function 1 adds, 5 does not apply
-# without 1, and 6 changes a file 2 changes (it would apply alone).
+# without 1, and 6 changes a file 2 changes (it would apply alone): each
+# needs just that one.
 PATCHES = [
     (SUBJECT_1, {"vllm/models/foo.py": FOO_PATCHED + "\n\ndef helper():\n    return BLOCK\n",
                  "tests/test_foo.py": TEST_FOO_PATCHED}),
@@ -226,10 +227,14 @@ def test_cover_lists_the_order_and_which_patches_can_go_first(series):
         if len(cells) == 4 and cells[0].isdigit():
             needs[int(cells[0])] = cells[3]
             assert cells[1] == PATCHES[int(cells[0]) - 1][0]
-    assert needs == {1: "nothing", 2: "nothing", 3: "#1-#2", 4: "#1-#3", 5: "#1-#4",
-                     6: "#1-#5", 7: "nothing"}
-    assert f"- #2 `02-{STEMS[1]}`: it applies alone to {BASE}, shares no file with patch 1" in cover
-    assert f"- #7 `07-{STEMS[6]}`" in cover
+    # Each needs what it changes a file of or uses a name of, and no more.
+    assert needs == {1: "nothing", 2: "nothing", 3: "#2", 4: "#1", 5: "#1", 6: "#2",
+                     7: "nothing"}
+    assert "- #3 needs #2: it uses `vllm.models.new` of #2." in cover
+    assert "- #4 needs #1: it uses `helper` of #1." in cover
+    assert "- #6 needs #2: it changes `vllm/models/many.py` after #2." in cover
+    first = cover.split("Can go first")[1].split("\n\n", 2)[1].splitlines()
+    assert first == [f"- #2 `02-{STEMS[1]}`", f"- #7 `07-{STEMS[6]}`"]
     assert "no `make test` result is recorded" in result.stderr
 
 
