@@ -5,8 +5,10 @@ container engine, the A/B comparison the upstream reviewers asked for: A is
 the vLLM ROCm release image (the NVIDIA drafter module runs on ROCm there), B
 is the same image with this stack's overlay (`make rocm-image`).
 
-Steps, in order (each a function of `steps.py` taking a `Runbook`, whose
-executor runs commands: a subprocess in real use, a recording fake in tests):
+Steps, in order (`steps.STEPS`, their one list: each a function of `steps.py`
+taking a `Runbook`, whose executor runs commands, a subprocess in real use and
+a recording fake in tests, and a function of `plan.py` that builds the
+commands; adding a step is those two functions and one entry there):
 
 0. preflight: the engine answers, both images exist and hold what they should;
 1. tests: the stack's vLLM tests in B on the GPUs; ROCm-only tests must run;

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from scripts.common import Layout
-from scripts.runbook import plan, steps
+from scripts.runbook import steps
 from scripts.runbook.config import MACHINES, Config
 from scripts.runbook.executor import Executor, SubprocessExecutor
 from scripts.runbook.parse import ResultError
@@ -36,8 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-cache", type=Path, default=defaults.hf_cache,
                    help="mounted as the containers' Hugging Face cache")
     p.add_argument("--engine", default=defaults.engine, choices=("docker", "podman"))
-    p.add_argument("--steps", default=",".join(defaults.steps),
-                   help=f"comma-separated subset of {','.join(defaults.steps)}")
+    p.add_argument("--steps", default=",".join(steps.NAMES),
+                   help=f"comma-separated subset of {','.join(steps.NAMES)}")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="server environment, added to (or replacing in) "
                    + " ".join(f"{k}={v}" for k, v in defaults.serve_env.items()))
@@ -76,7 +76,7 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 def config_from(layout: Layout, args: argparse.Namespace) -> Config:
     machine = MACHINES[args.machine]
     chosen = tuple(s.strip() for s in args.steps.split(",") if s.strip())
-    known = Config(machine, Path(), Path()).steps
+    known = steps.NAMES
     if unknown := [s for s in chosen if s not in known]:
         raise SystemExit(f"runbook: unknown step(s) {', '.join(unknown)}; "
                          f"known: {', '.join(known)}")
@@ -105,18 +105,19 @@ def run(config: Config, executor: Executor, say=print) -> int:
     """Run the chosen steps in order; a failing step ends the run with one line.
     The report is written in every case from what was gathered."""
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    (config.out_dir / "plan.txt").write_text(plan.describe(config))
+    (config.out_dir / "plan.txt").write_text(steps.describe(config))
     rb = steps.Runbook(config, executor, say)
     failure = None
-    for name in config.steps:
-        if name == "report":
+    chosen = steps.chosen(config)
+    for step in chosen:
+        if step.name == "report":
             continue
         try:
-            steps.STEPS[name](rb)
+            step.run(rb)
         except (steps.StepError, ResultError) as e:
-            failure = f"runbook: {name}: {e}"
+            failure = f"runbook: {step.name}: {e}"
             break
-    if "report" in config.steps or failure:
+    if failure or any(step.name == "report" for step in chosen):
         steps.report(rb)
     if failure:
         print(failure, file=sys.stderr)
@@ -134,7 +135,7 @@ def main(layout: Layout, argv: list[str]) -> int:
     args = parser().parse_args(argv)
     config = config_from(layout, args)
     if args.dry_run:
-        print(plan.describe(config), end="")
+        print(steps.describe(config), end="")
         return 0
     return run(config, SubprocessExecutor())
 

@@ -1,4 +1,5 @@
-"""Every command the runbook runs, built from a Config; `--dry-run` prints them.
+"""Every command the runbook runs, built from a Config (`steps.describe` prints them for
+`--dry-run`).
 
 Each step is a list of sessions: an optional `vllm serve` container, the
 commands run while it serves, then the container is stopped and its log
@@ -222,6 +223,12 @@ def sweep(config: Config, labels: tuple[str, ...] = ("A", "B")) -> list[Session]
     return sessions
 
 
+def report(config: Config) -> list[Session]:
+    """The report runs no command: it is written from the results folder."""
+    return [Session("5. report", [], note=f"write {config.out_dir}/report/ (summary.md, "
+                    "CSV files, plots, commands and versions)")]
+
+
 def kernels(config: Config) -> list[Session]:
     argv = [*config.kernel_bench]
     command = Command("draft-block attention kernel benchmark in B",
@@ -233,12 +240,9 @@ def kernels(config: Config) -> list[Session]:
                     note="optional: skipped when the project has no such benchmark")]
 
 
-STEPS = {"preflight": preflight, "tests": tests, "profile": profile, "accuracy": accuracy,
-         "sweep": sweep, "kernels": kernels}
-
-
-def describe(config: Config) -> str:
-    """The whole plan, in order: every command with its image, port and environment."""
+def describe(config: Config, sessions: list[Session]) -> str:
+    """The plan of `sessions`, in order: every command with its image, port and
+    environment (`steps.describe` gives it the chosen steps' sessions)."""
     m = config.machine
     tests_image = ("" if config.tests_image == config.candidate_image
                    else f"\n# device tests:  {config.tests_image} (B's overlay on a test image)")
@@ -254,27 +258,22 @@ def describe(config: Config) -> str:
         f"# server env:    {' '.join(f'{k}={v}' for k, v in config.serve_env.items())}"
         f" (+ {', '.join(PASSED_ENV)} passed through by name)",
     ]
-    for step in config.steps:
-        if step == "report":
-            lines += ["", "## 5. report", f"# write {config.out_dir}/report/ (summary.md, "
-                      "CSV files, plots, commands and versions)"]
-            continue
-        for session in STEPS[step](config):
-            lines += ["", f"## {session.title}"]
-            if session.note:
-                lines.append(f"# {session.note}")
-            srv = session.server
-            if srv:
-                lines += [f"# server {srv.config}: image {srv.image}, port {srv.port}",
-                          f"$ {config.engine} rm --force {srv.container}   # a leftover, if any",
-                          f"$ {shlex.join(srv.start)}",
-                          f"# wait until {srv.health_url} answers 200 "
-                          f"(at most {srv.ready_timeout:.0f} s)"]
-            for command in session.commands:
-                lines += [f"# {command.title} (timeout {command.timeout:.0f} s)",
-                          f"$ {shlex.join(command.argv)}"]
-            if srv:
-                lines += [f"$ {config.engine} logs {srv.container}   "
-                          f"# -> logs/{srv.container}.log",
-                          f"$ {config.engine} rm --force {srv.container}"]
+    for session in sessions:
+        lines += ["", f"## {session.title}"]
+        if session.note:
+            lines.append(f"# {session.note}")
+        srv = session.server
+        if srv:
+            lines += [f"# server {srv.config}: image {srv.image}, port {srv.port}",
+                      f"$ {config.engine} rm --force {srv.container}   # a leftover, if any",
+                      f"$ {shlex.join(srv.start)}",
+                      f"# wait until {srv.health_url} answers 200 "
+                      f"(at most {srv.ready_timeout:.0f} s)"]
+        for command in session.commands:
+            lines += [f"# {command.title} (timeout {command.timeout:.0f} s)",
+                      f"$ {shlex.join(command.argv)}"]
+        if srv:
+            lines += [f"$ {config.engine} logs {srv.container}   "
+                      f"# -> logs/{srv.container}.log",
+                      f"$ {config.engine} rm --force {srv.container}"]
     return "\n".join(lines) + "\n"

@@ -5,10 +5,12 @@ skipped, so a second run resumes where the first stopped."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from scripts.runbook import checks, parse, plan
@@ -203,7 +205,7 @@ def _check_images(config: Config, versions: dict) -> None:
                             f"{sorted(map(str, drafter))}: A must be the release, B the "
                             "release with the overlay (make rocm-image)")
     tests = versions.get("tests", versions["B"])
-    if not tests.get("pytest") and "tests" in config.steps:
+    if not tests.get("pytest") and "tests" in (s.name for s in chosen(config)):
         raise StepError(f"image {config.tests_image} has no pytest: give --test-image, the "
                         "overlay on vLLM's ROCm test image (make rocm-image "
                         "BASE_IMAGE=<that image>)")
@@ -354,5 +356,35 @@ def report(rb: Runbook) -> None:
     rb.say(f"5. report: {rb.rel(folder)}/summary.md")
 
 
-STEPS = {"preflight": preflight, "tests": tests, "profile": profile, "accuracy": accuracy,
-         "sweep": sweep, "kernels": kernels, "report": report}
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step of the runbook: how it runs, and the sessions it plans (for
+    `--dry-run` and plan.txt). A new step is one more entry of STEPS."""
+
+    name: str
+    run: Callable[[Runbook], None]
+    plan: Callable[[Config], list[plan.Session]]
+
+
+# The runbook's steps, in the order they run; `--steps` picks from these names.
+STEPS = (
+    Step("preflight", preflight, plan.preflight),
+    Step("tests", tests, plan.tests),
+    Step("profile", profile, plan.profile),
+    Step("accuracy", accuracy, plan.accuracy),
+    Step("sweep", sweep, plan.sweep),
+    Step("kernels", kernels, plan.kernels),
+    # Written from whatever the others gathered, also when one fails (cli.run).
+    Step("report", report, plan.report),
+)
+NAMES = tuple(step.name for step in STEPS)
+
+
+def chosen(config: Config) -> tuple[Step, ...]:
+    """The steps `config` runs, in the runbook's order."""
+    return tuple(step for step in STEPS if config.steps is None or step.name in config.steps)
+
+
+def describe(config: Config) -> str:
+    """The whole plan of `config`'s steps: every command, in order."""
+    return plan.describe(config, [s for step in chosen(config) for s in step.plan(config)])

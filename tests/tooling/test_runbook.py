@@ -109,6 +109,26 @@ def test_options_choose_steps_grid_and_environment(tmp_path):
                                                       "--max-model-len", "32768"]
 
 
+def test_a_step_is_one_entry_of_the_registry(tmp_path, config, monkeypatch):
+    """A new step, added as one entry of steps.STEPS, is an option of --steps, is
+    planned in its place and runs there."""
+    from scripts.common import Layout
+    from scripts.runbook import steps
+
+    ran = []
+    warmup = steps.Step("warmup", lambda rb: ran.append([s.name for s in steps.chosen(
+        rb.config)]), lambda c: [plan.Session("0b. warm-up", [], note="nothing yet")])
+    monkeypatch.setattr(steps, "STEPS", (steps.STEPS[0], warmup, *steps.STEPS[1:]))
+    monkeypatch.setattr(steps, "NAMES", tuple(s.name for s in steps.STEPS))
+    args = cli.parser().parse_args(["--machine", "mi300x", "--steps", "report,warmup",
+                                    "--out", str(tmp_path / "out")])
+    chosen = cli.config_from(Layout(config.project_root), args)
+    assert chosen.steps == ("warmup", "report")
+    assert "\n## 0b. warm-up\n# nothing yet\n\n## 5. report\n" in steps.describe(chosen)
+    code, _, _ = run(chosen)
+    assert code == 0 and ran == [["warmup", "report"]]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "tests,warmup"], "unknown step(s) warmup"),
     (["--concurrencies", "1,x"], "--concurrencies '1,x': give positive integers"),
