@@ -104,9 +104,9 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
 
         apply(layout)
     elif args.command == "patches":
-        from scripts.stack import export
+        from scripts.stack import export_patches
 
-        export(layout)
+        export_patches(layout)
     elif args.command == "rebase":
         from scripts.rebase import rebase
 

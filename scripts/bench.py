@@ -1,8 +1,8 @@
 """`make bench`: how long the everyday commands take, and how big the outputs are.
 
 The figures are printed next to their goals (a second `make apply` under 10 s,
-`make check` under 60 s, `make export` under 30 s), never asserted: timings depend on the machine and its
-load, so a timed test would flake. Every command runs as a user runs it
+`make check` under 60 s, `make export` under 30 s), never asserted: timings
+depend on the machine and its load, so a timed test would flake. Every command runs as a user runs it
 (`python3 -m scripts <command>`) in a scratch copy of the project that shares
 the download cache, so build/vllm and the real project are never touched.
 

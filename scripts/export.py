@@ -468,7 +468,7 @@ def export_for_upstream(layout: Layout, signoff: str) -> None:
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=layout.build_dir))
     say(f"exporting {len(patches)} patch(es) for {submitter}")
     try:
-        entries = _write_series(layout, staging, patches, commits, base, submitter,
+        entries = _write_pr_folders(layout, staging, patches, commits, base, submitter,
                                 template.stdout, summary)
         (staging / "COVER.md").write_text(cover(pin.version, pin.commit, submitter,
                                                 entries, summary))
@@ -480,9 +480,10 @@ def export_for_upstream(layout: Layout, signoff: str) -> None:
         f"{rel(layout.build_dir / EXPORT, layout)}/ (read COVER.md first)")
 
 
-def _write_series(layout: Layout, staging: Path, patches: list[Patch], commits: list[str],
-                  base: str, submitter: Person, template: str,
-                  summary: dict | None) -> list[dict]:
+def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
+                      commits: list[str], base: str, submitter: Person, template: str,
+                      summary: dict | None) -> list[dict]:
+    """One folder per patch under `staging`: the re-signed patch and its PR.md."""
     tree = layout.tree
     width = max(2, len(str(len(patches))))
     entries = []

@@ -190,7 +190,7 @@ def _finish(layout: Layout, progress: dict) -> None:
     write_state(tree, base_tag=new.base_tag, base_sdist_sha256=new.sdist.sha256,
                 base_commit=git(tree, "rev-parse", new.base_tag).stdout.strip(),
                 rebase=None, status="applied")
-    stack.export(layout)
+    stack.export_patches(layout)
     merged = progress["three_way"]
     say(f"rebased onto vLLM {new.version}; pin.toml updated"
         + (f"; review the 3-way merged patches: {', '.join(merged)}" if merged else "")

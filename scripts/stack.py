@@ -231,10 +231,10 @@ def _finish(layout: Layout, pin: Pin, patches: list[Patch]) -> None:
         f"on {pin.base_tag})")
 
 
-# --- export ---------------------------------------------------------------------
+# --- make patches: build/vllm's commits back to patches/ -------------------------
 
 
-def export(layout: Layout) -> None:
+def export_patches(layout: Layout) -> None:
     """Write the commits on top of the base back to patches/ and the series file."""
     pin = load_pin(layout.pin_file)
     tree = layout.tree
