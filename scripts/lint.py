@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.common import Layout
+from scripts.common import Layout, say
 from scripts.gitrepo import git
 from scripts.lock import LINT
 
@@ -87,6 +87,26 @@ def run_lints(layout: Layout, base: str, tree: Path) -> list[LintResult]:
         results.append(LintResult(name, proc.returncode == 0,
                                   (proc.stdout + proc.stderr).strip()))
     return results
+
+
+def run_hadolint(layout: Layout) -> list[LintResult]:
+    """The project's container recipes (docker/Dockerfile*), linted by hadolint
+    from .venv-lint; one result per recipe."""
+    hadolint = LINT.python(layout).parent / "hadolint"
+    results = []
+    for recipe in sorted((layout.root / "docker").glob("Dockerfile*")):
+        proc = subprocess.run([str(hadolint), str(recipe)], capture_output=True, text=True)
+        results.append(LintResult(str(recipe.relative_to(layout.root)), proc.returncode == 0,
+                                  (proc.stdout + proc.stderr).strip()))
+    return results
+
+
+def print_results(results: list[LintResult]) -> None:
+    """One `ok`/`FAIL` line per check, a failing one followed by its output."""
+    for result in results:
+        say(f"  {'ok  ' if result.ok else 'FAIL'} {result.name}")
+        if not result.ok and result.output:
+            say("    " + result.output.replace("\n", "\n    "))
 
 
 # Pins in .pre-commit-config.yaml: a hook repository's `rev`, or an

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from scripts.common import Layout, StackError, rel, say
 from scripts.gitrepo import git, read_state
-from scripts.lint import run_lints
+from scripts.lint import LintResult, print_results, run_hadolint, run_lints
 from scripts.lock import LINT
 from scripts.prefixes import check_out, prefix_commits, prefix_worktree, python_path
 from scripts.testcache import (
@@ -337,40 +337,24 @@ def _lint(layout: Layout, base: str, tree: Path, suite: str = "lint") -> Outcome
     say(f"\n=== {suite}: vLLM's pre-commit checks on the files {scope} changes "
         f"since {base}")
     start = time.monotonic()
-    outcome = Outcome(suite)
-    names = []
-    for result in run_lints(layout, base, tree):
-        say(f"  {'ok  ' if result.ok else 'FAIL'} {result.name}")
-        if not result.ok:
-            say("    " + result.output.replace("\n", "\n    "))
-        outcome.passed += result.ok
-        outcome.failed += not result.ok
-        names.append(result.name)
-    if not outcome.passed + outcome.failed:
-        outcome.note = "the stack changes no files"
-    outcome.seconds = time.monotonic() - start
-    outcome.parts = [Part("vLLM pre-commit: " + ", ".join(names), rel(tree, layout),
-                          outcome.passed, outcome.failed, outcome.skipped)]
+    results = run_lints(layout, base, tree)
+    outcome = _checked(suite, results, start, empty="the stack changes no files")
+    outcome.parts = [Part("vLLM pre-commit: " + ", ".join(r.name for r in results),
+                          rel(tree, layout), outcome.passed, outcome.failed, outcome.skipped)]
     return outcome
 
 
 def _hadolint(layout: Layout) -> Outcome:
-    """The project's container recipes, linted by hadolint from .venv-lint."""
-    recipes = sorted((layout.root / "docker").glob("Dockerfile*"))
-    say(f"\n=== recipes: hadolint {' '.join(p.name for p in recipes)}")
+    say("\n=== recipes: hadolint on docker/Dockerfile*")
     start = time.monotonic()
-    outcome = Outcome("recipes")
-    hadolint = LINT.python(layout).parent / "hadolint"
-    for recipe in recipes:
-        proc = subprocess.run([str(hadolint), str(recipe)], capture_output=True, text=True)
-        ok = proc.returncode == 0
-        say(f"  {'ok  ' if ok else 'FAIL'} {recipe.relative_to(layout.root)}")
-        if not ok:
-            say("    " + (proc.stdout + proc.stderr).strip().replace("\n", "\n    "))
-        outcome.passed += ok
-        outcome.failed += not ok
-    if not recipes:
-        outcome.note = "no recipes in docker/"
+    return _checked("recipes", run_hadolint(layout), start, empty="no recipes in docker/")
+
+
+def _checked(suite: str, results: list[LintResult], start: float, empty: str) -> Outcome:
+    """A row of checks that each pass or fail (lint.py's results), printed as they are."""
+    print_results(results)
+    outcome = Outcome(suite, passed=sum(r.ok for r in results),
+                      failed=sum(not r.ok for r in results), note="" if results else empty)
     outcome.seconds = time.monotonic() - start
     return outcome
 
