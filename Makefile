@@ -4,7 +4,7 @@
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
-# What the user passes in TARGET, VLLM_VERSION, FORCE and the image variables
+# What the user passes in TARGET, VLLM_VERSION, FORCE, ONLY and the image variables
 # is data, never code: taken literally ($(value): make expands nothing in it),
 # handed to the scripts through the environment and quoted there (the shell
 # runs nothing in it). FORCE counts only when given on the command line.
@@ -16,7 +16,8 @@ override BASE_IMAGE := $(value BASE_IMAGE)
 override IMAGE_TAG := $(value IMAGE_TAG)
 override SMOKE_GCN_ARCH := $(value SMOKE_GCN_ARCH)
 override DOCKER_TARGET := $(value DOCKER_TARGET)
-export TARGET VLLM_VERSION BASE_IMAGE IMAGE_TAG SMOKE_GCN_ARCH DOCKER_TARGET
+override ONLY := $(value ONLY)
+export TARGET VLLM_VERSION BASE_IMAGE IMAGE_TAG SMOKE_GCN_ARCH DOCKER_TARGET ONLY
 
 .PHONY: help apply patches rebase drift overlay install-overlay build test check bench \
         gpubench lock clean fetch export rocm-image rocm-source-image
@@ -34,7 +35,8 @@ shell_quote = '$(subst $(newline),\n,$(subst ','\'',$(1)))'
 help:
 	@echo "make apply      fetch pinned vLLM, apply patches/series -> build/vllm, vllm_overlay/"
 	@echo "make test       build .venv (if needed) and run every test suite"
-	@echo "                (reuses rows whose inputs passed before; FRESH=1 runs them all)"
+	@echo "                (reuses what passed before on the same inputs; FRESH=1 runs it all;"
+	@echo "                ONLY=\"prefix 3/7,stack\" runs only those rows)"
 	@echo "make check      fast self-check of the stack (no venv)"
 	@echo "make patches    export build/vllm's commits back to patches/ (maintainers)"
 	@echo "make rebase VLLM_VERSION=x.y.z   move the stack to another vLLM release"
@@ -72,7 +74,7 @@ build: apply
 	$(STACK) build
 
 test: build
-	$(STACK) test $(if $(filter 1 yes true,$(value FRESH)),--fresh)
+	$(STACK) test $(if $(filter 1 yes true,$(value FRESH)),--fresh) --only "$$ONLY"
 
 export:
 	@K3_SIGNOFF=$(call shell_quote,$(value SIGNOFF)) $(STACK) export

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
                           "(rows whose inputs passed before are reused)")
     test.add_argument("--fresh", action="store_true",
                       help="run every row, reusing no earlier green result")
+    test.add_argument("--only", default="", metavar="ROW[,ROW...]",
+                      help="run only these rows, named as the summary names them")
     sub.add_parser("export", help="build/export/: each patch signed off by $K3_SIGNOFF, "
                    "with its PR description")
     sub.add_parser("bench", help="time the everyday commands against their goals")
@@ -140,7 +142,7 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
     elif args.command == "test":
         from scripts.testrun import run_all
 
-        return run_all(layout, fresh=args.fresh)
+        return run_all(layout, fresh=args.fresh, only=args.only)
     elif args.command == "export":
         from scripts.export import export_for_upstream
 

@@ -92,18 +92,21 @@ def recorded_test_runs(layout: Layout) -> list[str]:
         return ["  make test: no run recorded yet in build/test-results/runs.jsonl"]
     lines = [f"  make test, latest {len(runs)} run(s) of this project "
              "(build/test-results/runs.jsonl; wall time without `make build`):",
-             f"    {'started':<22}{'wall':>8}{'rows run':>10}{'reused':>8}  "
+             f"    {'started':<22}{'wall':>8}{'run':>8}{'reused':>8}  "
              f"{'failed':>6}  build/vllm"]
     for run in runs:
-        rows = run["rows_run"] + run["rows_reused"]
+        # Commands (a lint run, a test file) since make test keys them one by one.
+        commands = run.get("parts_run") is not None
+        ran = run["parts_run"] if commands else run["rows_run"]
+        reused = run["parts_reused"] if commands else run["rows_reused"]
         verdict = "  (FRESH=1)" if run["fresh"] else ""
-        if 0 < run["rows_reused"] < rows:
+        verdict += f"  (ONLY={','.join(run['only'])})" if run.get("only") else ""
+        if 0 < reused and ran and not run.get("only"):
             verdict += ("  within goal" if run["wall_seconds"] < WARM_TEST_GOAL
-                       else "  OVER GOAL") + f" (< {WARM_TEST_GOAL} s with rows reused)"
+                        else "  OVER GOAL") + f" (< {WARM_TEST_GOAL} s with commands reused)"
         lines.append(f"    {shown_date(run['started']):<22}{run['wall_seconds']:>7.0f}s"
-                     f"{run['rows_run']:>10}{run['rows_reused']:>8}  "
-                     f"{run['totals']['failed']:>6}  {run['vllm']['describe']}"
-                     + verdict)
+                     f"{ran:>8}{reused:>8}  {run['totals']['failed']:>6}  "
+                     f"{run['vllm']['describe']}" + verdict)
     return lines
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from scripts.common import SCRATCH_PREFIXES, Layout, StackError, discard, rel, run, say, warn
 from scripts.gitrepo import RELEASE_AUTHOR, am_in_progress, dirty_files, git, is_stack_repo
-from scripts.prefixes import worktree_path
+from scripts.prefixes import is_prefix_worktree
 from scripts.stack import recover_interrupted_apply, render_commit
 
-_GENERATED = ("check-base", "drift-base", "prefix-tree", "test-results")
+_GENERATED = ("check-base", "drift-base", "prefix-tree", "prefix-trees", "test-results")
 _SHOWN = 10  # items of one kind listed before "... and N more"
 
 
@@ -83,12 +83,11 @@ def _other_worktrees(layout: Layout) -> list[str]:
     """Worktrees of build/vllm other than the tooling's own: their index and
     branch live in build/vllm."""
     blocks = git(layout.tree, "worktree", "list", "--porcelain").stdout.strip().split("\n\n")
-    ours = worktree_path(layout).resolve()
     found = []
     for block in blocks[1:]:  # the first is build/vllm itself
         fields = dict(line.partition(" ")[::2] for line in block.splitlines())
         path = Path(fields["worktree"])
-        if path.resolve() == ours or not path.exists():
+        if is_prefix_worktree(layout, path) or not path.exists():
             continue
         branch = fields.get("branch", "").removeprefix("refs/heads/") or "a detached HEAD"
         found.append(f"worktree {path} (on {branch})")

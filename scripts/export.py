@@ -382,19 +382,37 @@ def validation_text(summary: dict | None, tree_of_patch: str, k: int,
         missing = (f"the latest `make test` ({shown_date(summary['started'])}) did not test "
                    "this patch's tree: run `make test`, then `make export`")
         return f"_{missing[0].upper()}{missing[1:]}._", missing
-    lines = [f"`make test` of the K3 DSpark patch stack on {scope}, CPU only (no GPU; "
-             "ROCm-only tests are collected and skipped):", "",
-             "| check | in | passed | failed | skipped | run |",
-             "| --- | --- | ---: | ---: | ---: | --- |"]
+    emulated = any(_ROCM_PLUGIN in p["command"] for r in rows for p in r["parts"])
+    platforms = ("on CPU, and again under vLLM's RocmPlatform emulated on CPU (gfx942), "
+                 "where the ROCm-only tests that need no GPU run" if emulated else
+                 "on CPU only, where the ROCm-only tests are skipped")
+    lines = [f"`make test` of the K3 DSpark patch stack on {scope}, {platforms} (no GPU):", "",
+             "| check | in | platform | passed | failed | skipped | run |",
+             "| --- | --- | --- | ---: | ---: | ---: | --- |"]
     for row in rows:
-        date = shown_date((row["reused"] or {}).get("date") or summary["started"])
         for part in row["parts"]:
+            date = shown_date((part["reused"] or {}).get("date") or summary["started"])
             where = "vLLM tree" if part["where"].startswith("build/") else "patch-stack project"
-            lines.append(f"| `{part['command']}` | {where} | {part['passed']} | "
+            command, platform = _shown(part["command"])
+            lines.append(f"| `{command}` | {where} | {platform} | {part['passed']} | "
                          f"{part['failed']} | {part['skipped']} | {date} |")
     failed = sum(r["failed"] for r in rows)
     return "\n".join(lines), (f"{failed} check(s) failed in the latest `make test` of its "
                               "tree" if failed else None)
+
+
+_ROCM_PLUGIN = "-p rocm_emulation.plugin"
+
+
+def _shown(command: str) -> tuple[str, str]:
+    """A recorded command as a PR quotes it: pytest and its arguments (the
+    project's PYTHONPATH and venv are no business of upstream's), and its platform."""
+    if " -m pytest " not in command:
+        return command, "CPU"
+    pytest = "pytest " + command.split(" -m pytest ", 1)[1].replace(" -p no:cacheprovider", "")
+    if _ROCM_PLUGIN in pytest:
+        return pytest.replace(" " + _ROCM_PLUGIN, ""), "emulated ROCm"
+    return pytest, "CPU"
 
 
 def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[dict],

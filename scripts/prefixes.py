@@ -2,23 +2,25 @@
 
 Each patch is a future upstream PR that lands on its own, so the tree after
 patch k must pass the lint checks and the vLLM tests of patches 1..k without
-the patches after it. The full stack is what the other suites test; this runs
-each shorter prefix in a detached git worktree of build/vllm
-(build/prefix-tree), with the compiled kernels of the .venv install linked in,
-and vLLM imported from the worktree.
+the patches after it. The full stack is what the other suites test; this tests
+each shorter prefix k in a detached git worktree of build/vllm
+(build/prefix-trees/<k>), with the compiled kernels of the .venv install
+linked in, and vLLM imported from the worktree. A worktree is made when a
+test first needs it (a prefix whose tests are all reused needs none) and
+removed when `make test` ends.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+import shutil
+import threading
 from pathlib import Path
 
 from scripts.common import Layout, StackError, rel, run
 from scripts.gitrepo import commits_since, git
 
-WORKTREE = "prefix-tree"
+WORKTREES = "prefix-trees"
 
 
 def prefix_commits(tree: Path, base: str) -> list[str]:
@@ -26,38 +28,62 @@ def prefix_commits(tree: Path, base: str) -> list[str]:
     return commits_since(tree, base)[:-1]
 
 
-def worktree_path(layout: Layout) -> Path:
-    return layout.build_dir / WORKTREE
+class PrefixTrees:
+    """build/prefix-trees/<k>: one worktree per prefix, made on first use (by
+    several threads at once, if need be), all removed on leaving."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.folder = layout.build_dir / WORKTREES
+        self._made: set[Path] = set()
+        self._lock = threading.Lock()
+
+    def path(self, k: int) -> Path:
+        """Where prefix k is checked out (it need not exist yet)."""
+        return self.folder / str(k)
+
+    def at(self, k: int, commit: str) -> Path:
+        """The worktree of prefix k, at `commit`."""
+        path = self.path(k)
+        with self._lock:
+            if path not in self._made:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                git(self.layout.tree, "worktree", "add", "--quiet", "--detach", str(path), commit)
+                self._made.add(path)
+                _link_build_outputs(self.layout.tree, path)
+                _verify_import(self.layout, path)
+        return path
+
+    def __enter__(self) -> PrefixTrees:
+        self._remove()  # left over from an interrupted run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        tree = self.layout.tree
+        if self.folder.is_dir():
+            for path in sorted(self.folder.iterdir()):
+                if (path / ".git").is_file():
+                    git(tree, "worktree", "remove", "--force", str(path), check=False)
+            shutil.rmtree(self.folder, ignore_errors=True)
+        old = self.layout.build_dir / "prefix-tree"  # where earlier versions kept one
+        if (old / ".git").is_file():
+            git(tree, "worktree", "remove", "--force", str(old), check=False)
+        if tree.exists():
+            git(tree, "worktree", "prune")
+        self._made.clear()
 
 
-@contextmanager
-def prefix_worktree(layout: Layout) -> Iterator[Path]:
-    """A detached worktree of build/vllm, removed afterwards."""
-    path = worktree_path(layout)
-    _remove_worktree(layout)  # left over from an interrupted run
-    git(layout.tree, "worktree", "add", "--quiet", "--detach", str(path), "HEAD")
-    try:
-        yield path
-    finally:
-        _remove_worktree(layout)
-
-
-def check_out(layout: Layout, worktree: Path, commit: str) -> None:
-    git(worktree, "checkout", "--quiet", "--detach", commit)
-    _link_build_outputs(layout.tree, worktree)
-    _verify_import(layout, worktree)
+def is_prefix_worktree(layout: Layout, path: Path) -> bool:
+    """Whether `path` is one of make test's prefix worktrees (they come and go)."""
+    return path.resolve().parent == (layout.build_dir / WORKTREES).resolve()
 
 
 def python_path(layout: Layout, worktree: Path) -> str:
     # The worktree comes before .venv's editable finder, which points at build/vllm.
     return os.pathsep.join([str(worktree), str(layout.root)])
-
-
-def _remove_worktree(layout: Layout) -> None:
-    path = worktree_path(layout)
-    if path.exists():
-        git(layout.tree, "worktree", "remove", "--force", str(path))
-    git(layout.tree, "worktree", "prune")
 
 
 def _link_build_outputs(tree: Path, worktree: Path) -> None:

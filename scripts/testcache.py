@@ -1,30 +1,35 @@
 """What `make test` remembers, so that it never repeats a run whose inputs are identical.
 
-Each row of `make test` (scripts/testrun.py) has a key: a sha256 over
-everything that decides its outcome. Part of it is the same for every row and
+Each command of `make test` (scripts/testrun.py: a lint run, or a "unit",
+one pytest process of one test file) has a key: a sha256 over everything
+that decides its outcome. Part of it is the same for every command and
 cannot be left out:
 - the project's files, except those made from build/vllm (patches/,
-  vllm_overlay/) and prose no test reads (README.md, docs/): so scripts/,
-  tests/, requirements/*.lock, pin.toml (hence the wheel's kernels), pytest.ini;
+  vllm_overlay/) and prose (README.md, docs/): so scripts/, tests/,
+  requirements/*.lock, pin.toml (hence the wheel's kernels), pytest.ini;
 - the pristine release's git tree id, the two venvs (pyvenv.cfg and the build
   stamp recording the installed lock and tree), the interpreter, platform and
   git version, and the environment variables that steer vLLM, torch or pytest.
-The row adds the git tree id of the vLLM tree it tests (required; None only
-for a row that never reads one), the command it runs, and any other project
-path it reads.
+A command adds what it checks and how (its command line), and what it
+reads of the vLLM tree it tests: a unit the digest of the paths it read
+there (scripts/testdeps.py), any other command that tree's git tree id;
+and any other project path it reads.
 
-A row that passed is recorded under build/test-results/green/<key>.json; a
-later run with the same key reuses it and says so in the summary. A failed
-row is never recorded, so it always runs again. Any doubt is a new key: a
-cache miss costs minutes, a stale green would hide a failure.
+A command that passed is recorded under build/test-results/green/<key>.json;
+a later run with the same key reuses it and says so. A failed one is never
+recorded, so it always runs again. Any doubt is a new key: a cache miss
+costs minutes, a stale green would hide a failure. A command that runs
+again says which of its key's inputs changed since its last green run.
 
 build/test-results/summary.json describes the latest run (rows, counts,
 commands, what was reused, wall time): `make bench` prints it and `make
-export` quotes it in the PR descriptions. runs.jsonl keeps one line per run.
+export` quotes it in the PR descriptions. runs.jsonl keeps one line per run;
+reads/ what each unit read, logs/ and junit/ the output of each command.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -39,8 +44,9 @@ from pathlib import Path
 from scripts.common import Layout, run
 from scripts.gitrepo import git
 from scripts.lock import ENVIRONMENTS
+from scripts.testdeps import Reads, TreeIndex
 
-FORMAT = 1
+FORMAT = 2
 RESULTS = "test-results"
 # Made from build/vllm (keyed by its tree id instead) or prose no test reads.
 # A row that does read one of them lists it in Row.inputs.
@@ -73,7 +79,12 @@ def digest_paths(root: Path, paths: list[str] | None = None) -> str:
     `paths` (files or folders relative to root) default to the whole project
     but NOT_PROJECT_INPUTS. A deleted tracked file counts as "missing".
     """
-    digest = hashlib.sha256()
+    return _digest(file_digests(root, paths))
+
+
+def file_digests(root: Path, paths: list[str] | None = None) -> dict[str, str]:
+    """Per file of digest_paths, the sha256 of its kind and content."""
+    digests = {}
     for relpath in _input_files(root, paths):
         path = root / relpath
         if path.is_symlink():
@@ -82,7 +93,14 @@ def digest_paths(root: Path, paths: list[str] | None = None) -> str:
             kind, data = ("exec" if os.access(path, os.X_OK) else "file"), path.read_bytes()
         else:
             kind, data = "missing", b""
-        digest.update(f"{relpath}\0{kind}\0{len(data)}\0".encode() + data)
+        digests[relpath] = hashlib.sha256(f"{kind}\0{len(data)}\0".encode() + data).hexdigest()
+    return digests
+
+
+def _digest(digests: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for relpath, content in sorted(digests.items()):
+        digest.update(f"{relpath}\0{content}\0".encode())
     return digest.hexdigest()
 
 
@@ -136,9 +154,10 @@ def working_tree_id(tree: Path) -> str:
 
 @dataclass(frozen=True)
 class KeyContext:
-    """The inputs every row shares: computed once per run."""
+    """The inputs every command shares: computed once per run."""
 
     material: dict
+    project_files: dict[str, str]  # what material["project"] digests, file by file
 
     @classmethod
     def of(cls, layout: Layout, base: str) -> KeyContext:
@@ -149,23 +168,63 @@ class KeyContext:
                                for name in ("pyvenv.cfg", "k3-stack-build.json")}
         steering = {k: v for k, v in sorted(os.environ.items())
                     if k.startswith(_STEERING_PREFIXES) or k in _STEERING_NAMES}
+        files = file_digests(layout.root)
         return cls({
             "format": FORMAT,
-            "project": digest_paths(layout.root),
+            "project": _digest(files),
             "base_tree": tree_id(layout.tree, base),
             "venvs": venvs,
             "platform": [platform.platform(), platform.machine(), sys.version,
                          git(layout.tree, "--version").stdout.strip()],
             "environment": steering,
-        })
+        }, files)
 
     def key(self, root: Path, *, check: str, vllm_tree: str | None,
             command: tuple[str, ...], inputs: tuple[str, ...]) -> tuple[str, dict]:
         material = {**self.material, "check": check, "vllm_tree": vllm_tree,
                     "command": list(command),
                     "inputs": digest_paths(root, list(inputs)) if inputs else None}
-        blob = json.dumps(material, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest(), material
+        return _hash(material), material
+
+    def unit(self, *, check: str, command: tuple[str, ...]) -> tuple[str, dict]:
+        """A unit's identity (its key but for what it reads) and its material."""
+        material = {**self.material, "check": check, "command": list(command)}
+        return _hash(material), material
+
+
+def unit_key(identity: str, reads: Reads, digest: str) -> str:
+    """The key of a unit whose `reads` see `digest` in the tree it tests."""
+    return _hash({"unit": identity, "reads": reads.id, "digest": digest})
+
+
+def _hash(material: dict) -> str:
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def what_changed(before: dict, after: dict, store: ResultStore) -> list[str]:
+    """Which of the shared inputs differ between two keys' materials, in words."""
+    said = []
+    if before.get("project") != after.get("project"):
+        old, new = store.project_files(before.get("project")), store.project_files(
+            after.get("project"))
+        if old is None or new is None:
+            said.append("the project's files")
+        else:
+            for path in sorted(old.keys() | new.keys()):
+                if old.get(path) != new.get(path):
+                    how = "added" if path not in old else "removed" if path not in new else (
+                        "changed")
+                    said.append(f"{path} {how}")
+    names = {"base_tree": "the pristine release", "venvs": "the venvs (.venv, .venv-lint)",
+             "platform": "the interpreter, platform or git", "command": "its command",
+             "check": "its check", "inputs": "the project paths it reads",
+             "format": "the result format of make test"}
+    said += [names[k] for k in names if before.get(k) != after.get(k)]
+    if before.get("environment") != after.get("environment"):
+        old, new = before.get("environment") or {}, after.get("environment") or {}
+        said.append("environment " + ", ".join(sorted(
+            k for k in old.keys() | new.keys() if old.get(k) != new.get(k))))
+    return said
 
 
 def _read_or_none(path: Path) -> str | None:
@@ -179,7 +238,9 @@ def _read_or_none(path: Path) -> str | None:
 
 
 class ResultStore:
-    """build/test-results/: junit files, green records, summary.json, runs.jsonl."""
+    """build/test-results/: green records by key, what each unit read, the project's
+    file digests, junit files and logs, summary.json, runs.jsonl. Safe to use from
+    several threads: every file is written whole, under a name of its own."""
 
     def __init__(self, layout: Layout):
         self.dir = layout.build_dir / RESULTS
@@ -187,24 +248,79 @@ class ResultStore:
 
     def green(self, key: str) -> dict | None:
         """The record of a green run under `key`, if there is one."""
-        try:
-            record = json.loads((self.dir / "green" / f"{key}.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        return record if record.get("key") == key and "outcome" in record else None
+        record = _read_json(self.dir / "green" / f"{key}.json")
+        return record if record and record.get("key") == key and "outcome" in record else None
 
-    def record_green(self, key: str, material: dict, outcome: dict) -> None:
-        if outcome["failed"]:
+    def record_green(self, key: str, record: dict) -> None:
+        """Keep `record` (its "outcome" passed) under `key`, and as the latest
+        green of its "name" (what a rerun compares its inputs with)."""
+        if record["outcome"]["failed"]:
             return  # a failure is never reused: the next run tries again
-        record = {"key": key, "date": now(), "inputs": material, "outcome": outcome}
+        record = {**record, "key": key, "date": now()}
         _write_json(self.dir / "green" / f"{key}.json", record)
+        _write_json(self.dir / "latest" / f"{_slug(record['name'])}.json", {"key": key})
+
+    def latest_green(self, name: str) -> dict | None:
+        pointer = _read_json(self.dir / "latest" / f"{_slug(name)}.json")
+        return self.green(pointer["key"]) if pointer else None
+
+    # What units read: each Reads once (by id), and per unit the ids it has had.
+
+    def reads(self, identity: str) -> list[Reads]:
+        index = _read_json(self.dir / "reads" / f"{identity}.json") or {"reads": []}
+        found = (self.reads_by_id(i) for i in index["reads"])
+        return [r for r in found if r is not None]
+
+    def reads_by_id(self, reads_id: str) -> Reads | None:
+        try:
+            data = json.loads(gzip.decompress((self.dir / "reads" / f"{reads_id}.json.gz")
+                                              .read_bytes()))
+        except (FileNotFoundError, OSError, ValueError):
+            return None
+        return Reads.from_json(data)
+
+    def add_reads(self, identity: str, reads: Reads, keep: int = 8) -> None:
+        blob = self.dir / "reads" / f"{reads.id}.json.gz"
+        if not blob.exists():
+            _write_bytes(blob, gzip.compress(json.dumps(reads.to_json()).encode(), mtime=0))
+        index = _read_json(self.dir / "reads" / f"{identity}.json") or {"reads": []}
+        ids = [reads.id] + [i for i in index["reads"] if i != reads.id]
+        _write_json(self.dir / "reads" / f"{identity}.json", {"reads": ids[:keep]})
+
+    # The project's files per digest, to say which changed.
+
+    def save_project_files(self, context: KeyContext) -> None:
+        path = self.dir / "projects" / f"{context.material['project']}.json"
+        if not path.exists():
+            _write_json(path, context.project_files)
+
+    def project_files(self, digest: str | None) -> dict | None:
+        return _read_json(self.dir / "projects" / f"{digest}.json") if digest else None
 
     def write_summary(self, summary: dict) -> None:
         _write_json(self.dir / "summary.json", summary)
-        line = {k: summary[k] for k in ("started", "wall_seconds", "fresh", "vllm",
-                                        "totals", "rows_run", "rows_reused")}
+        line = {k: summary.get(k) for k in ("started", "wall_seconds", "fresh", "vllm", "totals",
+                                            "rows_run", "rows_reused", "parts_run",
+                                            "parts_reused", "only")}
         with open(self.dir / "runs.jsonl", "a") as f:
             f.write(json.dumps(line, sort_keys=True) + "\n")
+
+
+def trees_changed(repo: Path, before: str, after: str, reads: Reads | None,
+                  project: Path) -> list[str]:
+    """The paths that differ between two git trees of `repo`: those `reads` sees
+    differently, or (no reads) every file; [] if a tree is gone from the repository."""
+    try:
+        if reads is not None:
+            return reads.changed(TreeIndex(repo, before), TreeIndex(repo, after), project)
+        out = git(repo, "diff", "--no-renames", "--name-only", before, after).stdout
+    except Exception:  # noqa: BLE001 - an old tree pruned by git gc: nothing to compare
+        return []
+    return out.split()
+
+
+def _slug(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
 def read_summary(layout: Layout) -> dict | None:
@@ -230,8 +346,22 @@ def read_runs(layout: Layout) -> list[dict]:
     return runs
 
 
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def _write_json(path: Path, data: dict) -> None:
+    _write_bytes(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """All or nothing, and safe from several threads at once: a scratch file of
+    its own, renamed into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)

@@ -4,21 +4,29 @@ Rows, in order:
 - tooling: tests of this repository's scripts (tests/tooling/);
 - lint: vLLM's pre-commit checks on the files the stack changes;
 - recipes: hadolint on the project's container recipes (docker/Dockerfile*);
-- stack: the vLLM test files the stack adds or changes, run in build/vllm;
 - prefix k/n: each shorter prefix of the stack, linted and with the vLLM test
   files it adds or changes, run in a worktree (scripts/prefixes.py);
+- stack: the vLLM test files the stack adds or changes, run in build/vllm;
 - regression: vLLM's existing tests of the code the stack touches
-  (tests/vllm_regression.txt), run in build/vllm;
+  (tests/vllm_regression.txt), run in build/vllm, a pytest process per folder;
 - verification: this project's end-to-end checks of both drafters on CPU
   (tests/verification/);
 - stack (ROCm), regression (ROCm): the stack and regression rows again, in
-  separate pytest processes under vLLM's RocmPlatform emulated on CPU
+  pytest processes under vLLM's RocmPlatform emulated on CPU
   (tests/rocm_emulation/), minus tests/vllm_regression_rocm.txt's deselects.
-Every row that reads vLLM imports it from the tree it tests. A row whose
-inputs are the same as those of an earlier green run is not run again
-(scripts/testcache.py): the summary says which rows were reused, from when.
-`make test FRESH=1` (or K3_TEST_FRESH=1) runs every row. A summary table ends
-the run; any failure makes the exit status non-zero.
+
+A row is a list of commands: a lint run, or a "unit" (one pytest process of
+one test file, or of one folder's regression entries). Every unit imports
+vLLM from the tree it tests, under the read tracker (scripts/testdeps.py).
+A command whose key is that of an earlier green run is not run again
+(scripts/testcache.py): a unit's key is the digest of what it read, so a
+test file runs again in a prefix only where a patch changed something it
+reads, and after a change to one patch only what reads that change runs.
+Commands run K3_TEST_JOBS at a time (default: the CPUs, at most 4); the runs
+of one test file over several trees, oldest prefix first, one after another.
+`make test FRESH=1` (or K3_TEST_FRESH=1) runs everything; `make test
+ONLY=<row>[,<row>...]` runs only those rows, with the same reuse. A summary
+table ends the run; any failure makes the exit status non-zero.
 """
 
 from __future__ import annotations
@@ -26,10 +34,12 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from contextlib import ExitStack
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,31 +47,47 @@ from scripts.common import Layout, StackError, rel, say
 from scripts.gitrepo import git, read_state
 from scripts.lint import LintResult, print_results, run_hadolint, run_lints
 from scripts.lock import LINT
-from scripts.prefixes import check_out, prefix_commits, prefix_worktree, python_path
+from scripts.prefixes import PrefixTrees, prefix_commits
 from scripts.testcache import (
     FORMAT,
+    NOT_PROJECT_INPUTS,
     KeyContext,
     ResultStore,
     now,
     shown_date,
     tree_id,
+    trees_changed,
+    unit_key,
+    what_changed,
     working_tree_id,
 )
+from scripts.testdeps import TRACKER_DIR, Reads, TreeIndex, tracker_env
 from scripts.venv import venv_python
 
 REGRESSION_LIST = "tests/vllm_regression.txt"
 ROCM_LIST = "tests/vllm_regression_rocm.txt"
+ROCM_PLUGIN = ("-p", "rocm_emulation.plugin")
+JOBS_ENV = "K3_TEST_JOBS"
+LOG_TAIL = 40  # lines of a failing command's output shown as it fails
 
 
 @dataclass
 class Part:
-    """One command of a row and its counts, as a reviewer would retype it in `where`."""
+    """One command of a row and its counts; `command` can be retyped in `where`."""
 
     command: str
     where: str
+    title: str = ""  # what it runs, in short: a test file, a folder, "vLLM pre-commit"
     passed: int = 0
     failed: int = 0
     skipped: int = 0
+    seconds: float = 0.0
+    # The green run this part repeats ({"date", "key", "seconds"}); None if it ran now.
+    reused: dict | None = None
+    # Why it ran: what changed in its key's inputs since its last green run.
+    changed: list[str] = field(default_factory=list)
+    log: str = ""  # its output (a path relative to the project), if it ran
+    note: str = ""
 
 
 @dataclass
@@ -73,49 +99,61 @@ class Outcome:
     seconds: float = 0.0
     note: str = ""
     parts: list[Part] = field(default_factory=list)
-    # The green run this outcome repeats ({"date", "key", "seconds"}); None if it ran now.
-    reused: dict | None = None
-
-    def add(self, other: Outcome) -> None:
-        self.passed += other.passed
-        self.failed += other.failed
-        self.skipped += other.skipped
-        self.seconds += other.seconds
-        self.parts += other.parts
-        self.note = "; ".join(n for n in (self.note, other.note) if n)
 
     @classmethod
-    def from_record(cls, suite: str, record: dict) -> Outcome:
-        saved = record["outcome"]
-        return cls(suite, passed=saved["passed"], failed=saved["failed"],
-                   skipped=saved["skipped"], note=saved["note"],
-                   parts=[Part(**p) for p in saved["parts"]],
-                   reused={"date": record["date"], "key": record["key"],
-                           "seconds": saved["seconds"]})
+    def of(cls, suite: str, parts: list[Part], note: str = "") -> Outcome:
+        outcome = cls(suite, note=note, parts=parts)
+        for part in parts:
+            outcome.passed += part.passed
+            outcome.failed += part.failed
+            outcome.skipped += part.skipped
+            outcome.seconds += 0 if part.reused else part.seconds
+        return outcome
+
+    @property
+    def reused(self) -> bool:
+        """Every part repeats an earlier green run."""
+        return bool(self.parts) and all(p.reused for p in self.parts)
 
 
 @dataclass(frozen=True)
-class Row:
-    """One row of the summary, and what decides its outcome (its cache key).
+class Job:
+    """One command of a row, and what decides its outcome (its key).
 
-    Besides what every key holds (scripts/testcache.py: the project's scripts/,
-    tests/ and locks, the venvs, the pristine base), a row names the git tree
-    id of the vLLM tree it tests, the command it runs and any other project
-    path it reads (e.g. "vllm_overlay"). `tree` has no default on purpose: a
-    row that reads no vLLM tree says so with None.
+    Besides what every key holds (scripts/testcache.py), a job names what it
+    checks (`check`; the same check of different trees shares it), its
+    command, the git tree id of the vLLM tree it tests (None: it reads none)
+    and any other project path it reads. A job with `tracked` set runs under
+    the read tracker in that folder and is keyed by what it reads there.
     """
 
+    row: str
+    title: str  # what the output calls it: a test file, "vLLM pre-commit"
+    check: str
+    command: tuple[str, ...]
+    tree: str | None
+    run: Callable[[Path], Part]  # given where its output goes
+    tracked: Path | None = None
+    inputs: tuple[str, ...] = ()
+    where: str = ""  # the folder it runs in, as Part.where
+    retype: str = ""  # its command line there, if known before it runs
+
+    @property
+    def chain(self) -> tuple:
+        """Jobs of one chain run one after another, in order (the same unit over
+        several trees: each may reuse what the one before it found)."""
+        return (self.check, self.command) if self.tracked else (self.check,)
+
+
+@dataclass
+class Row:
     name: str
     tree: str | None
-    command: tuple[str, ...]
-    run: Callable[[], Outcome]
-    inputs: tuple[str, ...] = ()
-    # The key's name for what the row checks; rows that are the same check of
-    # different trees share it (a prefix keeps its green when patches are appended).
-    check: str = ""
+    jobs: list[Job]
+    note: str = ""  # said when the row has nothing to run
 
 
-def run_all(layout: Layout, fresh: bool = False) -> int:
+def run_all(layout: Layout, fresh: bool = False, only: str = "") -> int:
     for python in (venv_python(layout), LINT.python(layout)):
         if not python.exists():
             raise StackError(f"{python.parent.parent.name} is missing; run `make build` "
@@ -125,75 +163,124 @@ def run_all(layout: Layout, fresh: bool = False) -> int:
     base = read_state(layout.tree)["base_tag"]
     store = ResultStore(layout)
     context = KeyContext.of(layout, base)
-    with ExitStack() as exits:
-        rows = test_rows(layout, base, store.dir, PrefixCheckout(layout, exits))
-        results = [(row, *_run_or_reuse(layout, row, context, store, fresh)) for row in rows]
-    outcomes = [outcome for _, _, outcome in results]
+    store.save_project_files(context)
+    with PrefixTrees(layout) as prefixes:
+        rows = chosen_rows(test_rows(layout, base, store.dir, prefixes), only)
+        jobs = [job for row in rows for job in row.jobs]
+        runner = Runner(layout, context, store, fresh)
+        say(f"make test: {len(rows)} rows, {len(jobs)} commands, {runner.workers} at a time"
+            + ("" if fresh else "; commands whose inputs passed before are reused"))
+        parts = runner.run(jobs)
+    results = []
+    for row in rows:
+        mine = [parts[id(job)] for job in row.jobs]
+        results.append((row, Outcome.of(row.name, mine, note="" if mine else row.note)))
     wall = time.monotonic() - start
-    store.write_summary(_summary(layout, base, started, wall, fresh, results))
-    reused = sum(o.reused is not None for o in outcomes)
+    store.write_summary(_summary(layout, base, started, wall, fresh, only, results))
+    outcomes = [outcome for _, outcome in results]
+    ran = sum(not p.reused for o in outcomes for p in o.parts)
+    total = sum(len(o.parts) for o in outcomes)
     return _summarize(outcomes, footer=(
-        f"{len(outcomes)} rows: {len(outcomes) - reused} run, {reused} reused"
-        + (" (make test FRESH=1 runs them all)" if reused else "")
+        f"{total} commands: {ran} run, {total - ran} reused"
+        + (" (make test FRESH=1 runs them all)" if ran < total else "")
         + f"; {wall:.0f} s; {rel(store.dir / 'summary.json', layout)}"))
 
 
-def test_rows(layout: Layout, base: str, results_dir: Path,
-              prefixes: PrefixCheckout) -> list[Row]:
+def chosen_rows(rows: list[Row], only: str) -> list[Row]:
+    """The rows ONLY names (comma-separated, exactly as the summary names them)."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    if not names:
+        return rows
+    known = [row.name for row in rows]
+    if unknown := [n for n in names if n not in known]:
+        raise StackError(f"ONLY: no row named {', '.join(map(repr, unknown))}; the rows are "
+                         + ", ".join(known))
+    return [row for row in rows if row.name in names]
+
+
+def test_rows(layout: Layout, base: str, results_dir: Path, prefixes: PrefixTrees) -> list[Row]:
     """Every row of `make test`, in order. A new suite is one more Row here."""
     tree = working_tree_id(layout.tree)
-    stack_tests = _stack_test_files(layout.tree, base)
-    in_tree = python_path(layout, layout.tree)
+    stack_tests = stack_test_files(layout.tree, base)
+    regression = _regression_groups(layout, stack_tests)
+    verification = sorted(p.relative_to(layout.root).as_posix()
+                          for p in (layout.root / "tests/verification").glob("test_*.py"))
+    root = [layout.root]
     rows = [
         # The tooling tests build fake releases of their own; they never read build/vllm.
         # test_runbook compares docs/runbook-example with what the runbook writes.
-        _pytest_row(layout, "tooling", ["tests/tooling"], layout.root, results_dir, tree=None,
-                    inputs=("docs/runbook-example",)),
-        Row("lint", tree, ("vllm pre-commit", base),
-            lambda: _lint(layout, base, layout.tree)),
-        # hadolint reads only the project's recipes (part of every row's key).
-        Row("recipes", None, ("hadolint", "docker/Dockerfile*"), lambda: _hadolint(layout)),
+        Row("tooling", None, [_pytest_job(layout, "tooling", "tooling", "tests/tooling",
+                                          ["tests/tooling"], layout.root, root, tree=None,
+                                          inputs=("docs/runbook-example",))]),
+        Row("lint", tree, [_lint_job(layout, "lint", base, layout.tree, tree)]),
+        # hadolint reads only the project's recipes (part of every key).
+        Row("recipes", None, [Job("recipes", "hadolint docker/Dockerfile*", "recipes",
+                                  ("hadolint", "docker/Dockerfile*"), None,
+                                  lambda log: _hadolint(layout))]),
     ]
-    if stack_tests:
-        rows.append(_pytest_row(layout, "stack", stack_tests, layout.tree, results_dir,
-                                tree=tree, python_path=in_tree))
-    else:
-        rows.append(Row("stack", tree, (), lambda: Outcome(
-            "stack", note="the stack adds or changes no vLLM tests")))
-    rows += _prefix_rows(layout, base, results_dir, prefixes)
+    rows += _prefix_rows(layout, base, prefixes)
+    in_tree = [layout.tree, layout.root]
     rows += [
-        _pytest_row(layout, "regression", _regression_args(layout, stack_tests), layout.tree,
-                    results_dir, tree=tree, python_path=in_tree),
-        _pytest_row(layout, "verification", ["tests/verification"], layout.root,
-                    results_dir, tree=tree, python_path=in_tree),
+        Row("stack", tree, [_vllm_unit(layout, "stack", f, [f], layout.tree, in_tree, tree)
+                            for f in stack_tests],
+            note="the stack adds or changes no vLLM tests"),
+        Row("regression", tree, [_vllm_unit(layout, "regression", folder, args, layout.tree,
+                                            in_tree, tree)
+                                 for folder, args in regression]),
+        Row("verification", tree, [_pytest_job(layout, "verification", "verification", f,
+                                               [f], layout.root, in_tree, tree=tree,
+                                               tracked=layout.tree)
+                                   for f in verification]),
     ]
     # vLLM's own tests again, under the ROCm platform emulated on CPU.
-    if stack_tests:
-        rows.append(_rocm_row(layout, "stack (ROCm)", stack_tests, results_dir, tree))
-    rows.append(_rocm_row(layout, "regression (ROCm)",
-                          _regression_args(layout, stack_tests), results_dir, tree))
+    deselects, renamed = rocm_list(layout)
+    emulated = [layout.tree, layout.root / "tests", layout.root]
+
+    def rocm_unit(suite: str, title: str, args: list[str]) -> Job:
+        return _vllm_unit(layout, suite, title, rocm_args(args, deselects, renamed),
+                          layout.tree, emulated, tree)
+
+    rows += [
+        Row("stack (ROCm)", tree, [rocm_unit("stack (ROCm)", f, [f]) for f in stack_tests],
+            note="the stack adds or changes no vLLM tests"),
+        Row("regression (ROCm)", tree, [rocm_unit("regression (ROCm)", folder, args)
+                                        for folder, args in regression]),
+    ]
     return rows
 
 
-def _run_or_reuse(layout: Layout, row: Row, context: KeyContext, store: ResultStore,
-                  fresh: bool) -> tuple[str, Outcome]:
-    key, material = context.key(layout.root, check=row.check or row.name,
-                                vllm_tree=row.tree, command=row.command, inputs=row.inputs)
-    record = None if fresh else store.green(key)
-    if record:
-        say(f"\n=== {row.name}: reused, green at {shown_date(record['date'])} "
-            f"under key {key[:12]}")
-        return key, Outcome.from_record(row.name, record)
-    outcome = row.run()
-    outcome.suite = row.name
-    store.record_green(key, material, asdict(outcome))
-    return key, outcome
-
-
-def _stack_test_files(tree: Path, base: str, rev: str = "HEAD") -> list[str]:
+def stack_test_files(tree: Path, base: str, rev: str = "HEAD") -> list[str]:
+    """The vLLM test files the stack adds or changes (up to `rev`)."""
     out = git(tree, "diff", "--no-renames", "--name-only", "--diff-filter=AM",
               base, rev, "--", "tests/").stdout.split()
-    return [f for f in out if Path(f).name.startswith("test_") and f.endswith(".py")]
+    return vllm_test_files(out)
+
+
+def vllm_test_files(paths: list[str]) -> list[str]:
+    """Of a tree's paths, its pytest files: the one definition `make test` and the
+    runbook's device tests share."""
+    return sorted(p for p in paths if p.startswith("tests/") and Path(p).name.startswith(
+        "test_") and p.endswith(".py"))
+
+
+def _prefix_rows(layout: Layout, base: str, prefixes: PrefixTrees) -> list[Row]:
+    """Lint and stack tests of each proper prefix of the stack, one row each."""
+    commits = prefix_commits(layout.tree, base)
+    total = len(commits) + 1
+    rows = []
+    for k, commit in enumerate(commits, start=1):
+        suite = f"prefix {k}/{total}"
+        tree = tree_id(layout.tree, commit)
+        worktree = prefixes.path(k)
+
+        def checkout(k: int = k, commit: str = commit) -> Path:
+            return prefixes.at(k, commit)
+
+        jobs = [_lint_job(layout, suite, base, worktree, tree, checkout)]
+        jobs += [_vllm_unit(layout, suite, f, [f], worktree, [worktree, layout.root], tree,
+                            checkout) for f in stack_test_files(layout.tree, base, commit)]
+        rows.append(Row(suite, tree, jobs))
+    return rows
 
 
 def _regression_args(layout: Layout, already_run: list[str]) -> list[str]:
@@ -210,16 +297,25 @@ def _regression_args(layout: Layout, already_run: list[str]) -> list[str]:
     return args
 
 
-def _rocm_emulated(layout: Layout, args: list[str]) -> tuple[list[str], str]:
-    """pytest args and PYTHONPATH that run `args` (vLLM test files and node ids)
-    under vLLM's RocmPlatform emulated on CPU, in a pytest process of their own.
+def _regression_groups(layout: Layout, already_run: list[str]) -> list[tuple[str, list[str]]]:
+    """The regression entries as one pytest process per folder: (folder, its args).
+    A folder whose files all run in the stack row keeps no process."""
+    entries: dict[str, list[str]] = {}
+    deselects: dict[str, list[str]] = {}
+    args = iter(_regression_args(layout, already_run))
+    for arg in args:
+        target = deselects if arg == "--deselect" else entries
+        node = next(args) if arg == "--deselect" else arg
+        target.setdefault(str(Path(node.split("::")[0]).parent), []).append(node)
+    return [(folder, [*nodes, *(a for d in deselects.get(folder, []) for a in ("--deselect", d))])
+            for folder, nodes in entries.items()]
 
-    The plugin (tests/rocm_emulation/plugin.py) is imported from <root>/tests as
-    top-level packages: in the vLLM tree, `tests` is vLLM's package. ROCM_LIST
-    deselects what cannot run there and renames node ids whose parameters
-    depend on the platform; every line must give its reason after `#`.
-    """
-    extra: list[str] = []
+
+def rocm_list(layout: Layout) -> tuple[list[str], dict[str, str]]:
+    """tests/vllm_regression_rocm.txt: what the (ROCm) rows deselect, and the node
+    ids they rename (whose parameters depend on the platform). Every line must
+    give its reason after `#`."""
+    deselects: list[str] = []
     renamed: dict[str, str] = {}
     for number, raw in enumerate((layout.root / ROCM_LIST).read_text().splitlines(), 1):
         entry, _, reason = raw.partition("#")
@@ -231,145 +327,282 @@ def _rocm_emulated(layout: Layout, args: list[str]) -> tuple[list[str], str]:
             raise StackError(f"{ROCM_LIST}:{number}: expected `--deselect <id>  # reason` "
                              f"or `--replace <id> <ROCm id>  # reason`, got {raw.strip()!r}")
         if option == "--deselect":
-            extra += ["--deselect", ids[0]]
+            deselects.append(ids[0])
         else:
             renamed[ids[0]] = ids[1]
-    plugin = ["-p", "rocm_emulation.plugin"]
-    return ([*plugin, *(renamed.get(a, a) for a in args), *extra],
-            os.pathsep.join([str(layout.tree), str(layout.root / "tests"),
-                             str(layout.root)]))
+    return deselects, renamed
 
 
-def _rocm_row(layout: Layout, suite: str, args: list[str], results_dir: Path,
-              tree: str) -> Row:
-    rocm_args, path = _rocm_emulated(layout, args)
-    return _pytest_row(layout, suite, rocm_args, layout.tree, results_dir, tree=tree,
-                       python_path=path)
+def rocm_args(args: list[str], deselects: list[str], renamed: dict[str, str]) -> list[str]:
+    """pytest args that run `args` (vLLM test files and node ids) under vLLM's
+    RocmPlatform emulated on CPU: the plugin (tests/rocm_emulation/plugin.py,
+    imported from <project>/tests, as in the vLLM tree `tests` is vLLM's own
+    package), the platform's node ids, and the list's deselects of these files."""
+    args = [renamed.get(a, a) for a in args]
+    mine = [a for d in deselects if _concerns(d, args) for a in ("--deselect", d)]
+    return [*ROCM_PLUGIN, *args, *mine]
 
 
+def _concerns(node_id: str, args: list[str]) -> bool:
+    """Whether a deselect names a test of the files or folders `args` run."""
+    file = node_id.split("::")[0]
+    return any(file == a.split("::")[0] or file.startswith(a.rstrip("/") + "/")
+               for a in args if not a.startswith("-"))
 
 
-class PrefixCheckout:
-    """build/prefix-tree, made on first use: a run whose prefix rows are all
-    reused needs no worktree. Removed when the run ends."""
-
-    def __init__(self, layout: Layout, exits: ExitStack):
-        self.layout, self.exits = layout, exits
-        self.path: Path | None = None
-
-    def at(self, commit: str) -> Path:
-        if self.path is None:
-            self.path = self.exits.enter_context(prefix_worktree(self.layout))
-        check_out(self.layout, self.path, commit)
-        return self.path
+# --- jobs ------------------------------------------------------------------------
 
 
-def _prefix_rows(layout: Layout, base: str, results_dir: Path,
-                 prefixes: PrefixCheckout) -> list[Row]:
-    """Lint and stack tests of each proper prefix of the stack, one row each."""
-    commits = prefix_commits(layout.tree, base)
-    total = len(commits) + 1
-    rows = []
-    for k, commit in enumerate(commits, start=1):
-        suite = f"prefix {k}/{total}"
-        tests = _stack_test_files(layout.tree, base, commit)
-
-        def run(suite: str = suite, commit: str = commit, tests: list[str] = tests) -> Outcome:
-            subject = git(layout.tree, "log", "-1", "--format=%s", commit).stdout.strip()
-            say(f"\n=== {suite}: the stack up to {subject!r}")
-            worktree = prefixes.at(commit)
-            outcome = _lint(layout, base, worktree, suite=suite)
-            if tests:
-                outcome.add(_pytest(layout, suite, tests, worktree, results_dir,
-                                    python_path=python_path(layout, worktree)))
-            return outcome
-
-        rows.append(Row(suite, tree_id(layout.tree, commit), ("vllm pre-commit", base, *tests),
-                        run, check="prefix"))
-    return rows
+def _vllm_unit(layout: Layout, suite: str, title: str, args: list[str], cwd: Path,
+               path: list[Path], tree: str, checkout: Callable[[], Path] | None = None) -> Job:
+    """vLLM's tests, run in (and tracked in) the tree they test. The same test
+    file in every tree is one check, so a prefix can reuse what another found."""
+    return _pytest_job(layout, suite, "vllm tests", title, args, cwd, path, tree=tree,
+                       tracked=cwd, checkout=checkout)
 
 
-def _pytest_row(layout: Layout, suite: str, args: list[str], cwd: Path, results_dir: Path,
-                *, tree: str | None, python_path: str | None = None,
-                inputs: tuple[str, ...] = ()) -> Row:
-    return Row(suite, tree, ("pytest", rel(cwd, layout), *args),
-               lambda: _pytest(layout, suite, args, cwd, results_dir, python_path),
-               inputs=inputs)
+def _pytest_job(layout: Layout, suite: str, check: str, title: str, args: list[str],
+                cwd: Path, path: list[Path], *, tree: str | None, tracked: Path | None = None,
+                inputs: tuple[str, ...] = (), checkout: Callable[[], Path] | None = None) -> Job:
+    command = _retypable(layout, args, cwd, path)
+    where = rel(cwd, layout)
+
+    def run(log: Path, reads_log: Path | None = None) -> Part:
+        if checkout:
+            checkout()
+        part = _pytest(layout, args, cwd, path, log, reads_log, tracked)
+        part.command, part.where = command, where
+        return part
+
+    # In the key, the tree's folder is a name: a prefix's worktree is another
+    # folder for the same command, told apart by the tree id.
+    names = {tracked: "<vllm tree>", layout.tree: "<vllm tree>", layout.root: "<project>",
+             layout.root / "tests": "<project>/tests"}
+    key_command = ("pytest", *args, "PYTHONPATH=" + os.pathsep.join(names[p] for p in path))
+    return Job(suite, title, check, key_command, tree, run, tracked, inputs, where, command)
 
 
-def _pytest(layout: Layout, suite: str, args: list[str], cwd: Path,
-            results_dir: Path, python_path: str | None = None) -> Outcome:
-    xml = results_dir / f"{suite.replace(' ', '-').replace('/', '-of-')}.xml"
+def _retypable(layout: Layout, args: list[str], cwd: Path, path: list[Path]) -> str:
+    """The command as a user types it in `cwd`: PYTHONPATH, interpreter, pytest."""
+    python = os.path.relpath(venv_python(layout), cwd)
+    return (f"PYTHONPATH={os.pathsep.join(os.path.relpath(p, cwd) for p in path)} {python} "
+            f"-m pytest -q -p no:cacheprovider {shlex.join(args)}")
+
+
+def _lint_job(layout: Layout, suite: str, base: str, tree_dir: Path, tree: str,
+              checkout: Callable[[], Path] | None = None) -> Job:
+    def run(log: Path) -> Part:
+        if checkout:
+            checkout()
+        return _lint(layout, base, tree_dir)
+
+    return Job(suite, "vLLM pre-commit", "vllm pre-commit", ("vllm pre-commit", base), tree,
+               run, where=rel(tree_dir, layout))
+
+
+def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: Path,
+            reads_log: Path | None, tracked: Path | None) -> Part:
+    xml = log.with_suffix(".xml")
     xml.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": python_path or str(layout.root),
-           "K3_PROJECT_ROOT": str(layout.root)}
+    env = {**os.environ, "K3_PROJECT_ROOT": str(layout.root),
+           "PYTHONPATH": os.pathsep.join(str(p) for p in path)}
+    if tracked is not None and reads_log is not None:
+        env["PYTHONPATH"] = f"{TRACKER_DIR}{os.pathsep}{env['PYTHONPATH']}"
+        env.update(tracker_env(reads_log, tracked, [layout.root / p for p in sorted(
+            NOT_PROJECT_INPUTS)], read_state(layout.tree)["base_tag"]))
     cmd = [str(venv_python(layout)), "-m", "pytest", "-q", "-p", "no:cacheprovider",
            f"--junitxml={xml}", *args]
-    say(f"\n=== {suite}: pytest {' '.join(args)}  (in {cwd})")
     start = time.monotonic()
-    code = subprocess.run(cmd, cwd=cwd, env=env).returncode
-    outcome = _read_junit(suite, xml)
-    outcome.seconds = time.monotonic() - start
-    if code not in (0, 1) or (code == 1 and not outcome.failed):
+    with open(log, "w") as out:
+        code = subprocess.run(cmd, cwd=cwd, env=env, stdout=out,
+                              stderr=subprocess.STDOUT).returncode
+    part = _read_junit(xml)
+    part.seconds = time.monotonic() - start
+    part.log = rel(log, layout)
+    if code not in (0, 1) or (code == 1 and not part.failed):
         # Collection errors, usage errors, or no tests at all (exit 5).
-        outcome.failed += 1
-        outcome.note = f"pytest exited {code}"
-    outcome.parts = [Part(f"pytest -q {shlex.join(args)}", rel(cwd, layout),
-                          outcome.passed, outcome.failed, outcome.skipped)]
-    return outcome
+        part.failed += 1
+        part.note = f"pytest exited {code}"
+    return part
 
 
-def _read_junit(suite: str, xml: Path) -> Outcome:
-    outcome = Outcome(suite)
+def _read_junit(xml: Path) -> Part:
+    part = Part("", "")
     if not xml.exists():
-        return outcome
+        return part
     for ts in ET.parse(xml).getroot().iter("testsuite"):
         tests, skipped = int(ts.get("tests", 0)), int(ts.get("skipped", 0))
         failed = int(ts.get("failures", 0)) + int(ts.get("errors", 0))
-        outcome.passed += tests - skipped - failed
-        outcome.failed += failed
-        outcome.skipped += skipped
-    return outcome
+        part.passed += tests - skipped - failed
+        part.failed += failed
+        part.skipped += skipped
+    return part
 
 
-def _lint(layout: Layout, base: str, tree: Path, suite: str = "lint") -> Outcome:
-    scope = "the whole stack" if tree == layout.tree else "this prefix"
-    say(f"\n=== {suite}: vLLM's pre-commit checks on the files {scope} changes "
-        f"since {base}")
+def _lint(layout: Layout, base: str, tree: Path) -> Part:
     start = time.monotonic()
     results = run_lints(layout, base, tree)
-    outcome = _checked(suite, results, start, empty="the stack changes no files")
-    outcome.parts = [Part("vLLM pre-commit: " + ", ".join(r.name for r in results),
-                          rel(tree, layout), outcome.passed, outcome.failed, outcome.skipped)]
-    return outcome
+    part = _checked(results, start)
+    part.command = "vLLM pre-commit: " + ", ".join(r.name for r in results)
+    part.where = rel(tree, layout)
+    return part
 
 
-def _hadolint(layout: Layout) -> Outcome:
-    say("\n=== recipes: hadolint on docker/Dockerfile*")
+def _hadolint(layout: Layout) -> Part:
     start = time.monotonic()
-    return _checked("recipes", run_hadolint(layout), start, empty="no recipes in docker/")
+    part = _checked(run_hadolint(layout), start)
+    part.command, part.where = "hadolint docker/Dockerfile*", "."
+    return part
 
 
-def _checked(suite: str, results: list[LintResult], start: float, empty: str) -> Outcome:
-    """A row of checks that each pass or fail (lint.py's results), printed as they are."""
+def _checked(results: list[LintResult], start: float) -> Part:
+    """Checks that each pass or fail (lint.py's results), printed as they are."""
     print_results(results)
-    outcome = Outcome(suite, passed=sum(r.ok for r in results),
-                      failed=sum(not r.ok for r in results), note="" if results else empty)
-    outcome.seconds = time.monotonic() - start
-    return outcome
+    return Part("", "", passed=sum(r.ok for r in results),
+                failed=sum(not r.ok for r in results), seconds=time.monotonic() - start,
+                note="" if results else "nothing to check")
+
+
+# --- running them --------------------------------------------------------------------
+
+
+class Runner:
+    """Runs jobs, reusing green results: K3_TEST_JOBS chains at a time."""
+
+    def __init__(self, layout: Layout, context: KeyContext, store: ResultStore, fresh: bool):
+        self.layout, self.context, self.store, self.fresh = layout, context, store, fresh
+        self.workers = max(1, int(os.environ.get(JOBS_ENV) or min(os.cpu_count() or 1, 4)))
+        self._trees: dict[str, TreeIndex] = {}
+        self._lock = threading.Lock()
+        self._done = 0
+        self._total = 0
+
+    def run(self, jobs: list[Job]) -> dict[int, Part]:
+        chains: dict[tuple, list[Job]] = {}
+        for job in jobs:
+            chains.setdefault(job.chain, []).append(job)
+        self._total = len(jobs)
+        parts: dict[int, Part] = {}
+        logs = self.store.dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+
+        def run_chain(chain: list[Job]) -> None:
+            for job in chain:
+                parts[id(job)] = self._one(job, logs)
+
+        with ThreadPoolExecutor(self.workers) as pool:
+            for future in [pool.submit(run_chain, c) for c in chains.values()]:
+                future.result()  # an error of the tooling ends the run, named
+        return parts
+
+    def _one(self, job: Job, logs: Path) -> Part:
+        if job.tracked:
+            identity, material = self.context.unit(check=job.check, command=job.command)
+            index = self._index(job.tree)
+            for reads in ([] if self.fresh else self.store.reads(identity)):
+                key = unit_key(identity, reads, reads.digest(index, self.layout.root))
+                if record := self.store.green(key):
+                    return self._reused(job, record)
+        else:
+            key, material = self.context.key(self.layout.root, check=job.check,
+                                             vllm_tree=job.tree, command=job.command,
+                                             inputs=job.inputs)
+            if record := (None if self.fresh else self.store.green(key)):
+                return self._reused(job, record)
+        changed = self._why(job, material)
+        self._say(job, "run ", ("; ".join(changed) if changed else "") or "first run")
+        log = logs / _slug(job.row) / f"{_slug(job.title)}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        if job.tracked:
+            with tempfile.NamedTemporaryFile(prefix="reads-", suffix=".log",
+                                             dir=logs) as reads_log:
+                part = job.run(log, Path(reads_log.name))
+                reads = Reads.parse(Path(reads_log.name).read_text(errors="replace"),
+                                    job.tracked, self.layout.root)
+            self.store.add_reads(identity, reads)
+            key = unit_key(identity, reads, reads.digest(index, self.layout.root))
+        else:
+            part = job.run(log)
+            reads = None
+        part.changed, part.title = changed, job.title
+        part.where = job.where or part.where
+        self.store.record_green(key, {
+            "name": self._name(job), "row": job.row, "tree": job.tree, "material": material,
+            "reads": reads.id if reads else None, "outcome": asdict(part)})
+        counts = f"{part.passed} passed, {part.failed} failed, {part.skipped} skipped"
+        self._say(job, "FAIL" if part.failed else "ok  ",
+                  f"{counts}, {part.seconds:.0f} s" + (f"; {part.note}" if part.note else ""))
+        if part.failed and part.log:
+            lines = (self.layout.root / part.log).read_text(errors="replace").splitlines()
+            say("    " + "\n    ".join(lines[-LOG_TAIL:]) + f"\n    (all of it: {part.log})")
+        return part
+
+    def _reused(self, job: Job, record: dict) -> Part:
+        saved = record["outcome"]
+        # The counts of the run it repeats (in whichever tree), as this row's command.
+        part = Part(**{**saved, "reused": {"date": record["date"], "key": record["key"],
+                                           "seconds": saved["seconds"], "row": record["row"]},
+                       "changed": [], "title": job.title, "where": job.where or saved["where"],
+                       "command": job.retype or saved["command"], "log": ""})
+        self._say(job, "same", f"green at {shown_date(record['date'])} under key "
+                  f"{record['key'][:12]}")
+        return part
+
+    def _why(self, job: Job, material: dict) -> list[str]:
+        """What changed since this command's last green run (any tree), in words."""
+        last = self.store.latest_green(self._name(job))
+        if last is None:
+            return []
+        said = what_changed(last["material"], material, self.store)
+        if not said and last["tree"] != job.tree and last["tree"] and job.tree:
+            reads = self.store.reads_by_id(last["reads"]) if last.get("reads") else None
+            paths = trees_changed(self.layout.tree, last["tree"], job.tree, reads,
+                                  self.layout.root)
+            shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4
+                                           else "")
+            said.append(f"changed since {last['row']}: {shown or 'its vLLM tree'}")
+        return said[:6]
+
+    def _name(self, job: Job) -> str:
+        """A command's name over every tree and run: what it checks and how."""
+        return " ".join([job.check, *job.command])
+
+    def _index(self, tree: str | None) -> TreeIndex:
+        with self._lock:
+            if tree not in self._trees:
+                self._trees[tree] = TreeIndex(self.layout.tree, tree)
+            return self._trees[tree]
+
+    def _say(self, job: Job, verdict: str, detail: str) -> None:
+        with self._lock:
+            if verdict != "run ":
+                self._done += 1
+            say(f"  {verdict} [{self._done}/{self._total}] {job.row}: {job.title}  ({detail})")
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in text).strip("-")
 
 
 def _summarize(outcomes: list[Outcome], footer: str = "") -> int:
     say("\n=== summary")
     say(f"  {'suite':<20}{'passed':>8}{'failed':>8}{'skipped':>9}{'time':>9}")
     for o in outcomes:
-        note = o.note
+        run = [p for p in o.parts if not p.reused]
         if o.reused:
-            note = (f"reused: green at {shown_date(o.reused['date'])} under key "
-                    f"{o.reused['key'][:12]} (ran in {o.reused['seconds']:.0f}s)"
-                    + (f"; {note}" if note else ""))
+            last = max(p.reused["date"] for p in o.parts)
+            note = f"reused: green at {shown_date(last)}"
+        elif o.parts and len(run) < len(o.parts):
+            note = f"{len(run)} of {len(o.parts)} run, the others reused"
+        else:
+            note = ""
+        note = "; ".join(n for n in (note, o.note) if n)
         say(f"  {o.suite:<20}{o.passed:>8}{o.failed:>8}{o.skipped:>9}{o.seconds:>8.0f}s"
             + (f"  {note}" if note else ""))
+    failing = [(o.suite, p) for o in outcomes for p in o.parts if p.failed]
+    for suite, part in failing:
+        say(f"  FAIL {suite}: {part.command}  (in {part.where}"
+            + (f"; output: {part.log}" if part.log else "") + ")")
     if footer:
         say(footer)
     passed = sum(o.passed for o in outcomes)
@@ -379,20 +612,22 @@ def _summarize(outcomes: list[Outcome], footer: str = "") -> int:
     return 1 if failed else 0
 
 
-def _summary(layout: Layout, base: str, started: str, wall: float, fresh: bool,
-             results: list[tuple[Row, str, Outcome]]) -> dict:
+def _summary(layout: Layout, base: str, started: str, wall: float, fresh: bool, only: str,
+             results: list[tuple[Row, Outcome]]) -> dict:
     """build/test-results/summary.json (read by `make bench` and `make export`)."""
     tree = layout.tree
     rows = []
-    for row, key, outcome in results:
+    for row, outcome in results:
         counts = asdict(outcome)
         del counts["suite"]  # the row's name
-        rows.append({"name": row.name, **counts, "key": key, "vllm_tree": row.tree})
+        rows.append({"name": row.name, **counts, "reused": outcome.reused,
+                     "vllm_tree": row.tree})
     return {
         "format": FORMAT,
         "started": started,
         "wall_seconds": round(wall, 1),
         "fresh": fresh,
+        "only": [r["name"] for r in rows] if only.strip() else None,
         "vllm": {
             "base": base,
             "head": git(tree, "rev-parse", "HEAD").stdout.strip(),
@@ -401,6 +636,8 @@ def _summary(layout: Layout, base: str, started: str, wall: float, fresh: bool,
         },
         "rows": rows,
         "totals": {k: sum(r[k] for r in rows) for k in ("passed", "failed", "skipped")},
-        "rows_run": sum(r["reused"] is None for r in rows),
-        "rows_reused": sum(r["reused"] is not None for r in rows),
+        "rows_run": sum(not r["reused"] for r in rows),
+        "rows_reused": sum(r["reused"] for r in rows),
+        "parts_run": sum(p["reused"] is None for r in rows for p in r["parts"]),
+        "parts_reused": sum(p["reused"] is not None for r in rows for p in r["parts"]),
     }

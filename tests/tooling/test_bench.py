@@ -43,6 +43,6 @@ def test_bench_prints_the_recorded_make_test_runs(tmp_path):
     assert "latest 4 run(s) of this project" in lines[0]
     rows = lines[2:]
     assert rows[0].split()[3:7] == ["1236s", "9", "0", "0"] and "goal" not in rows[0]
-    assert rows[1].endswith("within goal (< 300 s with rows reused)")
-    assert rows[2].endswith("OVER GOAL (< 300 s with rows reused)")
+    assert rows[1].endswith("within goal (< 300 s with commands reused)")
+    assert rows[2].endswith("OVER GOAL (< 300 s with commands reused)")
     assert "goal" not in rows[3]  # everything reused: not a run after a change

@@ -156,30 +156,36 @@ def test_resigned_patches_apply_in_order_on_the_release_with_only_the_new_signof
             assert theirs == mine
 
 
+PYTEST = "PYTHONPATH=.:../.. ../../.venv/bin/python -m pytest -q -p no:cacheprovider"
+ROCM = ("PYTHONPATH=.:../../tests:../.. ../../.venv/bin/python -m pytest -q "
+        "-p no:cacheprovider -p rocm_emulation.plugin")
+
+
 def _write_summary(project) -> None:
     """A `make test` summary in testrun's own format: prefix 1 and the full stack tested."""
     layout = Layout(project.root)
     tree_after = [project.git("rev-parse", f"stack~{len(PATCHES) - k}^{{tree}}")
                   for k in range(1, len(PATCHES) + 1)]
+    earlier = {"date": "2026-01-02T03:04:05+00:00", "key": "k" * 64, "seconds": 1.0}
 
-    def row(name, tree, parts, reused=None):
-        outcome = testrun.Outcome(name, parts=[testrun.Part(*p) for p in parts], reused=reused)
-        for p in outcome.parts:
-            outcome.passed += p.passed
-            outcome.failed += p.failed
-            outcome.skipped += p.skipped
-        return testrun.Row(name, tree, (), lambda: outcome), "k" * 64, outcome
+    def row(name, tree, parts):
+        parts = [testrun.Part(command, where, passed=p, failed=f, skipped=s, reused=reused)
+                 for command, where, p, f, s, reused in parts]
+        return testrun.Row(name, tree, []), testrun.Outcome.of(name, parts)
 
     results = [
-        row("tooling", None, [("pytest -q tests/tooling", ".", 50, 0, 0)]),
-        row("prefix 1/7", tree_after[0], [("vLLM pre-commit: ruff check", "build/prefix-tree",
-                                           9, 0, 0),
-                                          ("pytest -q tests/test_foo.py", "build/prefix-tree",
-                                           3, 0, 1)],
-            reused={"date": "2026-01-02T03:04:05+00:00", "key": "k" * 64, "seconds": 1.0}),
-        row("stack", tree_after[-1], [("pytest -q tests/test_foo.py", "build/vllm", 5, 0, 2)]),
+        row("tooling", None, [("PYTHONPATH=. .venv/bin/python -m pytest -q tests/tooling", ".",
+                               50, 0, 0, None)]),
+        row("prefix 1/7", tree_after[0], [
+            ("vLLM pre-commit: ruff check", "build/prefix-trees/1", 9, 0, 0, earlier),
+            (f"{PYTEST} tests/test_foo.py", "build/prefix-trees/1", 3, 0, 1, earlier)]),
+        row("stack", tree_after[-1], [(f"{PYTEST} tests/test_foo.py", "build/vllm", 5, 0, 2,
+                                       None)]),
+        row("stack (ROCm)", tree_after[-1], [(f"{ROCM} tests/test_foo.py", "build/vllm",
+                                              6, 0, 1, None)]),
     ]
-    summary = testrun._summary(layout, BASE, "2026-02-03T04:05:06+00:00", 12.0, False, results)
+    summary = testrun._summary(layout, BASE, "2026-02-03T04:05:06+00:00", 12.0, False, "",
+                               results)
     testrun.ResultStore(layout).write_summary(summary)
 
 
@@ -196,8 +202,10 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
     validation = sections["## Validation"]
     for text in ("### Test Plan", "pytest tests/test_foo.py", "### Test Result",
                  "### Automated checks",
-                 "| `pytest -q tests/test_foo.py` | vLLM tree | 3 | 0 | 1 | 2026-01-02 03:04 UTC |",
-                 "| `vLLM pre-commit: ruff check` | vLLM tree | 9 | 0 | 0",
+                 "on CPU only, where the ROCm-only tests are skipped",
+                 "| `pytest -q tests/test_foo.py` | vLLM tree | CPU | 3 | 0 | 1 | "
+                 "2026-01-02 03:04 UTC |",
+                 "| `vLLM pre-commit: ruff check` | vLLM tree | CPU | 9 | 0 | 0",
                  "### Hardware test plan (MI300/MI355 reviewers)", "foo benchmark on an MI300"):
         assert text in validation
     for text in ("### Background", "overflowed the shared memory", "### Design",
@@ -208,8 +216,11 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
     assert pr.endswith(checklist) and "[x]" not in pr
     assert "<!-- Summarize" not in pr and "<!-- Explain" not in pr
     last = (folder(series, 7) / "PR.md").read_text()
-    assert ("| `pytest -q tests/test_foo.py` | vLLM tree | 5 | 0 | 2 | 2026-02-03 04:05 UTC |"
-            in last)
+    assert ("| `pytest -q tests/test_foo.py` | vLLM tree | CPU | 5 | 0 | 2 | "
+            "2026-02-03 04:05 UTC |" in last)
+    assert ("| `pytest -q tests/test_foo.py` | vLLM tree | emulated ROCm | 6 | 0 | 1 | "
+            "2026-02-03 04:05 UTC |" in last)
+    assert "under vLLM's RocmPlatform emulated on CPU (gfx942), where the ROCm-only" in last
     assert "- Describe vLLM." in last  # no notes file: the title is the claim
     untested = (folder(series, 2) / "PR.md").read_text()
     assert "did not test this patch's tree: run `make test`, then `make export`" in untested

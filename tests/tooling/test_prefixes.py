@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
-from contextlib import ExitStack
 
 import pytest
 
 from scripts import testrun
 from scripts.common import Layout
+from scripts.prefixes import PrefixTrees
 from tests.tooling.conftest import FOO_PATCHED, TEST_FOO_PATCHED, V1
 
 BASE = f"vllm-{V1}"
@@ -23,37 +24,42 @@ def test_new():
 
 @pytest.fixture
 def runner(stacked, monkeypatch):
-    """The stacked project with a .venv whose python is this interpreter
-    (which has pytest); the lint suite needs .venv-lint, which is not here."""
+    """The stacked project with venvs whose python is this interpreter (which has
+    pytest), the project files make test reads, and a lint that passes."""
     layout = Layout(stacked.root)
-    python = layout.venv / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    python.chmod(0o755)
-    monkeypatch.setattr(testrun, "_lint",
-                        lambda layout, base, tree, suite="lint": testrun.Outcome(suite))
+    for venv in (layout.venv, layout.lint_venv):
+        python = venv / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        python.chmod(0o755)
+    for path in ("tests/vllm_regression.txt", "tests/vllm_regression_rocm.txt"):
+        (stacked.root / path).parent.mkdir(parents=True, exist_ok=True)
+        (stacked.root / path).write_text("")
+    monkeypatch.setattr(testrun, "_lint", lambda layout, base, tree: testrun.Part("", ""))
     stacked.layout = layout
     return stacked
 
 
-def _run_prefixes(project) -> list[testrun.Outcome]:
-    results = project.layout.build_dir / "test-results"
-    results.mkdir(parents=True, exist_ok=True)
-    with ExitStack() as exits:
-        rows = testrun._prefix_rows(project.layout, BASE, results,
-                                    testrun.PrefixCheckout(project.layout, exits))
-        return [row.run() for row in rows]
+def _run_prefixes(project) -> dict[str, dict]:
+    """Run the prefix rows; their rows of summary.json by name."""
+    rows = testrun.test_rows(project.layout, BASE, project.layout.build_dir,
+                             PrefixTrees(project.layout))
+    prefixes = [row.name for row in rows if row.name.startswith("prefix ")]
+    testrun.run_all(project.layout, only=",".join(prefixes))
+    summary = json.loads((project.layout.build_dir / "test-results/summary.json").read_text())
+    return {row["name"]: row for row in summary["rows"]}
 
 
 def test_each_prefix_runs_the_tests_it_has_against_its_own_tree(runner):
     runner.commit("[ROCm] Test the new model", {"tests/test_new.py": TEST_NEW})
     head = runner.head()
-    outcomes = _run_prefixes(runner)
+    rows = _run_prefixes(runner)
     # Three patches: prefixes 1 and 2 (the full stack is the stack suite's).
-    assert [o.suite for o in outcomes] == ["prefix 1/3", "prefix 2/3"]
-    assert [(o.passed, o.failed) for o in outcomes] == [(1, 0), (1, 0)]
-    # The worktree is gone and build/vllm is as it was.
-    assert not (runner.root / "build" / "prefix-tree").exists()
+    assert list(rows) == ["prefix 1/3", "prefix 2/3"]
+    assert [(r["passed"], r["failed"]) for r in rows.values()] == [(1, 0), (1, 0)]
+    assert [p["where"] for p in rows["prefix 2/3"]["parts"]] == ["build/prefix-trees/2"] * 2
+    # The worktrees are gone and build/vllm is as it was.
+    assert not (runner.root / "build" / "prefix-trees").exists()
     assert runner.git("worktree", "list").count("\n") == 0
     assert runner.head() == head
     assert runner.git("status", "--porcelain") == ""
@@ -67,17 +73,16 @@ def test_a_test_that_needs_a_later_patch_fails_its_prefix(runner):
     runner.commit("[ROCm] Widen the block", {
         "vllm/models/foo.py": FOO_PATCHED.replace("BLOCK = 64", "BLOCK = 128"),
         "tests/test_foo.py": TEST_FOO_PATCHED.replace("== 64", "== 128")})
-    outcomes = {o.suite: o for o in _run_prefixes(runner)}
-    assert outcomes["prefix 1/4"].failed == 0
-    assert outcomes["prefix 2/4"].failed == 0
-    assert outcomes["prefix 3/4"].failed == 1  # test_wide
-    assert outcomes["prefix 3/4"].passed == 1  # test_foo, still 64 there
+    rows = _run_prefixes(runner)
+    assert rows["prefix 1/4"]["failed"] == 0
+    assert rows["prefix 2/4"]["failed"] == 0
+    assert rows["prefix 3/4"]["failed"] == 1  # test_wide
+    assert rows["prefix 3/4"]["passed"] == 1  # test_foo, still 64 there
 
 
 def test_a_stack_of_one_patch_has_no_proper_prefix(project):
     project.ok("apply")
     project.commit("[ROCm] Only patch", {"vllm/models/new.py": "X = 1\n"})
     layout = Layout(project.root)
-    with ExitStack() as exits:
-        assert testrun._prefix_rows(layout, BASE, layout.build_dir,
-                                    testrun.PrefixCheckout(layout, exits)) == []
+    with PrefixTrees(layout) as prefixes:
+        assert testrun._prefix_rows(layout, BASE, prefixes) == []

@@ -48,13 +48,25 @@ def _junit(path: Path, tests: int, failures: int, errors: int, skipped: int) -> 
 
 
 def test_junit_counts(tmp_path):
-    outcome = testrun._read_junit("x", _junit(tmp_path / "x.xml", 10, 1, 1, 3))
-    assert (outcome.passed, outcome.failed, outcome.skipped) == (5, 2, 3)
+    part = testrun._read_junit(_junit(tmp_path / "x.xml", 10, 1, 1, 3))
+    assert (part.passed, part.failed, part.skipped) == (5, 2, 3)
 
 
 def test_missing_junit_counts_nothing(tmp_path):
-    outcome = testrun._read_junit("x", tmp_path / "absent.xml")
-    assert (outcome.passed, outcome.failed, outcome.skipped) == (0, 0, 0)
+    part = testrun._read_junit(tmp_path / "absent.xml")
+    assert (part.passed, part.failed, part.skipped) == (0, 0, 0)
+
+
+def test_regression_entries_run_as_one_process_per_folder(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / testrun.REGRESSION_LIST).write_text(REGRESSION + "tests/models/sub/test_d.py\n"
+                                                    "--deselect tests/x/test_e.py::t  # x\n")
+    groups = testrun._regression_groups(Layout(tmp_path), ["tests/models/test_c.py"])
+    assert groups == [
+        ("tests/models", ["tests/models/test_a.py", "tests/models/test_b.py::test_one",
+                          "--deselect", "tests/models/test_b.py::test_two"]),
+        ("tests/models/sub", ["tests/models/sub/test_d.py"]),
+    ]  # tests/x has a deselect and nothing to run
 
 
 @pytest.mark.parametrize(
@@ -80,8 +92,10 @@ def test_pytest_without_any_test_counts_as_a_failure(tmp_path):
     # python would lose the venv).
     venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     venv_python.chmod(0o755)
-    outcome = testrun._pytest(layout, "empty", ["empty"], tmp_path, tmp_path)
-    assert outcome.failed == 1 and outcome.note == "pytest exited 5"
+    part = testrun._pytest(layout, ["empty"], tmp_path, [tmp_path], tmp_path / "empty.log",
+                           None, None)
+    assert part.failed == 1 and part.note == "pytest exited 5"
+    assert "no tests ran" in (tmp_path / "empty.log").read_text()
 
 
 def _real_hadolint() -> Path | None:
@@ -109,8 +123,8 @@ def test_recipes_row_runs_hadolint_on_every_recipe(tmp_path, capsys):
     # Unpinned apt package, no --no-install-recommends, no list cleanup.
     (docker / "Dockerfile.bad").write_text(
         "FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y curl\n")
-    outcome = testrun._hadolint(Layout(tmp_path))
-    assert (outcome.suite, outcome.passed, outcome.failed) == ("recipes", 1, 1)
+    part = testrun._hadolint(Layout(tmp_path))
+    assert (part.passed, part.failed) == (1, 1)
     out = capsys.readouterr().out
     assert "ok   docker/Dockerfile.rocm-overlay" in out
     assert "FAIL docker/Dockerfile.bad" in out and "DL3008" in out

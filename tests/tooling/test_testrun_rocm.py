@@ -3,8 +3,6 @@ list of what those rows leave out (tests/vllm_regression_rocm.txt)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from scripts import testrun
@@ -15,6 +13,7 @@ ROCM_LIST = """\
 --deselect tests/a.py::test_gpu[  # runs on device "cuda"
 
 --replace tests/b.py::test_x[True] tests/b.py::test_x[False]  # platform-dependent id
+--deselect tests/other/c.py::test_y  # another file's test
 """
 
 
@@ -25,24 +24,14 @@ def _layout(tmp_path, text: str) -> Layout:
 
 
 def test_rocm_rows_load_the_plugin_and_apply_the_list(tmp_path):
-    layout = _layout(tmp_path, ROCM_LIST)
-    args, python_path = testrun._rocm_emulated(
-        layout, ["tests/a.py", "tests/b.py::test_x[True]", "--deselect", "tests/c.py"]
-    )
-    assert args == [
-        "-p",
-        "rocm_emulation.plugin",
-        "tests/a.py",
-        "tests/b.py::test_x[False]",
-        "--deselect",
-        "tests/c.py",
-        "--deselect",
-        "tests/a.py::test_gpu[",
-    ]
-    # vLLM comes from the tree under test; the plugin's packages are imported
-    # from <root>/tests: in the vLLM tree, `tests` is vLLM's own package.
-    assert python_path.split(os.pathsep) == [
-        str(layout.tree), str(tmp_path / "tests"), str(tmp_path)]
+    deselects, renamed = testrun.rocm_list(_layout(tmp_path, ROCM_LIST))
+    args = testrun.rocm_args(["tests/a.py", "tests/b.py::test_x[True]"], deselects, renamed)
+    # Only the deselects of the files it runs: the command stays short, and an
+    # entry about another file changes no key of this one.
+    assert args == ["-p", "rocm_emulation.plugin", "tests/a.py", "tests/b.py::test_x[False]",
+                    "--deselect", "tests/a.py::test_gpu["]
+    folder = testrun.rocm_args(["tests/other"], deselects, renamed)
+    assert folder[-2:] == ["--deselect", "tests/other/c.py::test_y"]
 
 
 @pytest.mark.parametrize(
@@ -57,13 +46,12 @@ def test_rocm_rows_load_the_plugin_and_apply_the_list(tmp_path):
 def test_a_bad_line_names_the_file_and_line(tmp_path, line):
     layout = _layout(tmp_path, f"# header\n{line}\n")
     with pytest.raises(StackError, match=rf"^{testrun.ROCM_LIST}:2: expected"):
-        testrun._rocm_emulated(layout, [])
+        testrun.rocm_list(layout)
 
 
 def test_the_shipped_rocm_list_parses_and_gives_every_reason():
     layout = Layout.default()
-    args, _ = testrun._rocm_emulated(layout, [])
-    deselected = [args[i + 1] for i, a in enumerate(args) if a == "--deselect"]
-    assert deselected, "the shipped list deselects nothing"
+    deselects, _ = testrun.rocm_list(layout)
+    assert deselects, "the shipped list deselects nothing"
     lines = (layout.root / testrun.ROCM_LIST).read_text().splitlines()
-    assert sum(line.startswith("--deselect ") for line in lines) == len(deselected)
+    assert sum(line.startswith("--deselect ") for line in lines) == len(deselects)
