@@ -41,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("export", help="build/export/: each patch signed off by $K3_SIGNOFF, "
                    "with its PR description")
     sub.add_parser("bench", help="time the everyday commands against their goals")
+    mutate = sub.add_parser("mutate", help="put back each defect the review found, one at a "
+                            "time, and report what in make test catches it")
+    mutate.add_argument("names", nargs="*", metavar="MUTATION", help="default: all")
+    mutate.add_argument("--project", type=Path, default=None,
+                        help="test with this checkout's make test (default: this project)")
+    mutate.add_argument("--fresh", action="store_true", help="reuse no green result")
     gpubench = sub.add_parser(
         "gpubench", help="time the stack's GPU kernels against the release, side by side")
     gpubench.add_argument("--case", action="append", help="benchmark case (default: all)")
@@ -147,6 +153,10 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
         from scripts.export import export_for_upstream
 
         export_for_upstream(layout, os.environ.get("K3_SIGNOFF", ""))
+    elif args.command == "mutate":
+        from scripts.mutate import mutate
+
+        return mutate(layout, args.names, args.project, args.fresh)
     elif args.command == "bench":
         from scripts.bench import bench
 

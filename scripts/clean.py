@@ -18,7 +18,8 @@ from scripts.gitrepo import RELEASE_AUTHOR, am_in_progress, dirty_files, git, is
 from scripts.prefixes import is_prefix_worktree
 from scripts.stack import recover_interrupted_apply, render_commit
 
-_GENERATED = ("check-base", "drift-base", "prefix-tree", "prefix-trees", "test-results")
+_GENERATED = ("check-base", "drift-base", "mutate", "prefix-tree", "prefix-trees",
+              "test-results")
 _SHOWN = 10  # items of one kind listed before "... and N more"
 
 

@@ -50,7 +50,7 @@ class PrefixTrees:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 git(self.layout.tree, "worktree", "add", "--quiet", "--detach", str(path), commit)
                 self._made.add(path)
-                _link_build_outputs(self.layout.tree, path)
+                link_build_outputs(self.layout.tree, path)
                 _verify_import(self.layout, path)
         return path
 
@@ -86,7 +86,7 @@ def python_path(layout: Layout, worktree: Path) -> str:
     return os.pathsep.join([str(worktree), str(layout.root)])
 
 
-def _link_build_outputs(tree: Path, worktree: Path) -> None:
+def link_build_outputs(tree: Path, worktree: Path) -> None:
     """Link what the editable install put into build/vllm (kernels, vendored
     packages): git ignores it, so a checkout does not bring it along."""
     out = git(tree, "ls-files", "--others", "--ignored", "--exclude-standard",

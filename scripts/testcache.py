@@ -106,8 +106,7 @@ def _digest(digests: dict[str, str]) -> str:
 
 def _input_files(root: Path, paths: list[str] | None) -> list[str]:
     if paths is None:
-        return [f for f in _project_files(root)
-                if f.split("/", 1)[0] not in NOT_PROJECT_INPUTS]
+        return [f for f in project_files(root) if f.split("/", 1)[0] not in NOT_PROJECT_INPUTS]
     files = []
     for top in sorted(paths):
         start = root / top
@@ -121,16 +120,16 @@ def _input_files(root: Path, paths: list[str] | None) -> list[str]:
     return sorted(files)
 
 
-def _project_files(root: Path) -> list[str]:
+def project_files(root: Path) -> list[str]:
     """The project's files as git sees them (tracked, or new and not ignored), so
-    that outputs and editor or cache folders never change a key; every file but
-    _NEVER when the project is not a git checkout."""
+    that outputs and editor or cache folders never change a key; every file when
+    the project is not a git checkout. Never what _NEVER names (a venv linked in)."""
     top = run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], check=False)
     if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
         return _input_files(root, [p.name for p in root.iterdir() if p.name not in _NEVER])
     listed = run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
                   "--exclude-standard"]).stdout
-    return sorted({f for f in listed.split("\0") if f})
+    return sorted({f for f in listed.split("\0") if f and f.split("/", 1)[0] not in _NEVER})
 
 
 def tree_id(tree: Path, rev: str) -> str:

@@ -490,10 +490,16 @@ class Runner:
             for job in chain:
                 parts[id(job)] = self._one(job, logs)
 
+        # The longest chains first (by their last runs), so none is left alone at the end.
+        order = sorted(chains.values(), key=self._expected_seconds, reverse=True)
         with ThreadPoolExecutor(self.workers) as pool:
-            for future in [pool.submit(run_chain, c) for c in chains.values()]:
+            for future in [pool.submit(run_chain, c) for c in order]:
                 future.result()  # an error of the tooling ends the run, named
         return parts
+
+    def _expected_seconds(self, chain: list[Job]) -> float:
+        last = self.store.latest_green(self._name(chain[0]))
+        return len(chain) * (last["outcome"]["seconds"] if last else 60.0)
 
     def _one(self, job: Job, logs: Path) -> Part:
         if job.tracked:

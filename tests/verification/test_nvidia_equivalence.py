@@ -5,7 +5,7 @@ base extracted from `nvidia/dspark_mla.py` must leave the CUDA drafter
 unchanged. One child process builds the drafter from the pristine release's
 module and from the installed (patched) `vllm.models.kimi_k3.nvidia.dspark_mla`
 and records, on CPU with custom ops replaced by recorders
-(`equivalence_support.py`):
+(`harness/equivalence.py`, on the harness's synthetic draft):
 
 * the module tree, parameter and buffer names, shapes and dtypes, the plain
   attributes of vLLM's layers inside it, and the NVIDIA module's public names;
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.verification import equivalence_support as eq
+from tests.verification.harness import equivalence as eq
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def results() -> dict:
             [
                 sys.executable,
                 "-c",
-                "import sys; from tests.verification.equivalence_support "
+                "import sys; from tests.verification.harness.equivalence "
                 "import main; main(sys.argv[1])",
                 str(out),
             ],

@@ -72,11 +72,14 @@ def make_hf_config(
     return K3DSparkConfig(**kw)
 
 
-def checkpoint_tensors(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(cfg, seed: int = 0, *, confidence: bool | None = None
+                       ) -> dict[str, torch.Tensor]:
     """Synthetic weights under the released checkpoint's names (layer-local
     indices, q_a/kv_a and gate/up unfused, target embedding + LM head included
     because the shipped checkpoint carries them). Every tensor is random and
-    nonzero, so a parameter left at its init value is detectable."""
+    nonzero, so a parameter left at its init value is detectable. The
+    confidence head's weights are there if ``cfg`` builds one, or as
+    ``confidence`` says (the shipped checkpoint has them either way)."""
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape, scale=None):
@@ -103,8 +106,9 @@ def checkpoint_tensors(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
         "markov_head.markov_w1.weight": w(V, cfg.markov_rank, scale=1.0),
         "markov_head.markov_w2.weight": w(V, cfg.markov_rank),
     }
-    if getattr(cfg, "enable_confidence_head", False):
-        in_dim = H + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+    if getattr(cfg, "enable_confidence_head", False) if confidence is None else confidence:
+        with_markov = getattr(cfg, "confidence_head_with_markov", False) or confidence
+        in_dim = H + (cfg.markov_rank if with_markov else 0)
         t["confidence_head.proj.weight"] = w(1, in_dim)
         t["confidence_head.proj.bias"] = w(1, scale=0.5)
     for i in range(cfg.num_hidden_layers):
@@ -203,10 +207,17 @@ class _ConfigStub(SimpleNamespace):
 
 
 def make_vllm_config(
-    hf_config, *, cache_dtype: str = "auto", block_size: int = 16, eager: bool = False
+    hf_config,
+    *,
+    cache_dtype: str = "auto",
+    block_size: int = 16,
+    eager: bool = False,
+    custom_ops: list[str] | None = None,
 ):
     """``eager``: as with ``--enforce-eager`` (no torch.compile, so vLLM's custom
-    ops and C++ kernels are on); otherwise vLLM's default compilation config."""
+    ops and C++ kernels are on); otherwise vLLM's default compilation config.
+    ``custom_ops``: the compilation config's (``["none"]``: every layer's
+    plain-torch body)."""
     from vllm.config import (
         CacheConfig,
         CompilationConfig,
@@ -220,7 +231,8 @@ def make_vllm_config(
         device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
         compilation_config=CompilationConfig(
-            mode=CompilationMode.NONE if eager else None
+            mode=CompilationMode.NONE if eager else None,
+            **({"custom_ops": custom_ops} if custom_ops is not None else {}),
         ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=64,
@@ -351,6 +363,46 @@ def _quant_pwal(model) -> None:
             quant_method.process_weights_after_loading(module)
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """One layer's paged latent cache, bound as ``[num_blocks, 1, block_size,
+    width]`` the way the runner does. ``padding`` leaves room after each entry
+    (a wider entry stride); ``packed`` then packs the entries at the start of
+    each padded block instead (same block stride, entry stride ``width``)."""
+
+    num_blocks: int = 6
+    block_size: int = 16
+    padding: int = 0
+    packed: bool = False
+
+
+def sentinel_fill(storage: torch.Tensor) -> None:
+    """Untouched entries stay recognisable: 0x7F bytes, or -7.0."""
+    storage.fill_(0x7F if storage.dtype == torch.uint8 else -7.0)
+
+
+def bind_caches(
+    owners, layouts: list[CacheLayout], *, registry, fill=sentinel_fill
+) -> list[torch.Tensor]:
+    """Allocate, fill and bind one cache per cache-owning layer (``owners``, as
+    ``cache_owner`` gives them); ``registry.register`` sees each bound cache."""
+    caches = []
+    for owner, layout in zip(owners, layouts, strict=True):
+        width = owner.kv_lora_rank + owner.qk_rope_head_dim
+        dtype = (
+            torch.uint8 if owner.kv_cache_dtype.startswith("fp8") else torch.bfloat16
+        )
+        nb, bs = layout.num_blocks, layout.block_size
+        storage = torch.empty((nb, 1, bs, width + layout.padding), dtype=dtype)
+        fill(storage)
+        if layout.packed:
+            storage = storage.view(nb, 1, -1)[..., : bs * width].unflatten(-1, (bs, width))
+        owner.bind_kv_cache(storage[..., :width])
+        registry.register(owner.kv_cache)
+        caches.append(owner.kv_cache)
+    return caches
+
+
 def allocate_caches(
     draft: Draft,
     *,
@@ -359,33 +411,19 @@ def allocate_caches(
     layouts: list[tuple[int, int]] | None = None,
     registry=None,
 ) -> list[torch.Tensor]:
-    """Allocate and bind one paged latent cache per draft layer, the way the
-    runner does ([blocks, 1, block_size, width] bound, squeezed by the layer).
-
-    ``layouts`` optionally gives (num_blocks, block_size) per layer for a
-    non-uniform layout. Caches are registered with the emulated memory map.
-    """
+    """One paged latent cache per draft layer, registered with the emulated
+    memory map (``bind_caches``); ``layouts`` optionally gives (num_blocks,
+    block_size) per layer for a non-uniform layout."""
     from . import ops
 
-    registry = registry or ops.REGISTRY
-    caches = []
-    for i, owner in enumerate(draft.cache_layers()):
-        nb, bs = layouts[i] if layouts else (num_blocks, block_size)
-        width = owner.kv_lora_rank + owner.qk_rope_head_dim
-        dtype = (
-            torch.uint8 if owner.kv_cache_dtype.startswith("fp8") else torch.bfloat16
-        )
-        # Fill with a sentinel so untouched entries are recognisable.
-        raw = torch.full(
-            (nb, 1, bs, width), 0x7F if dtype == torch.uint8 else 0, dtype=dtype
-        )
-        if dtype != torch.uint8:
-            raw.fill_(-7.0)
-        owner.bind_kv_cache(raw)
-        registry.register(owner.kv_cache)
-        caches.append(owner.kv_cache)
-    draft.caches = caches
-    return caches
+    owners = draft.cache_layers()
+    shapes = layouts or [(num_blocks, block_size)] * len(owners)
+    draft.caches = bind_caches(
+        owners,
+        [CacheLayout(nb, bs) for nb, bs in shapes],
+        registry=registry or ops.REGISTRY,
+    )
+    return draft.caches
 
 
 def free_caches(draft: Draft, registry=None) -> None:

@@ -1,6 +1,8 @@
-"""Harness for proving the K3 DSpark drafter behaves like pristine vLLM on CUDA.
+"""Proof that the K3 DSpark drafter behaves like pristine vLLM's on CUDA: traces.
 
-`test_nvidia_equivalence.py` builds the drafter twice in one process, on CPU:
+`test_nvidia_equivalence.py` builds the drafter twice in one process, on CPU,
+with the harness's synthetic draft (``drafter.py``: HF config, vLLM config,
+checkpoint, caches):
 
 * from the pristine release's `vllm/models/kimi_k3/nvidia/dspark_mla.py`
   (its source read from git through `tests.support.pristine`, executed under
@@ -17,7 +19,7 @@ Everything that cannot run on CPU is replaced the same way for both builds:
 * every function of `vllm._custom_ops` (recorders; the few the drafter uses
   get a plain-torch body so later calls see their effect),
 * `torch.cuda.is_current_stream_capturing` (raises without a driver) and the
-  workspace manager (not initialised on CPU).
+  workspace manager's buffers (zeroed, so that traces compare).
 
 A `Trace` is the comparable record of one run: recorded calls with their
 arguments (tensors by dtype, shape and exact bytes; KV caches and pointer
@@ -32,7 +34,6 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
-import socket
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -42,17 +43,14 @@ import torch
 import torch.nn as nn
 
 from tests.support.pristine import base_tag, pristine_source
-from tests.verification.harness import reference
+from tests.verification.harness import drafter, reference
 
 DRAFTER_RELPATH = "vllm/models/kimi_k3/nvidia/dspark_mla.py"
 DRAFTER_MODULE = "vllm.models.kimi_k3.nvidia.dspark_mla"
 PRISTINE_MODULE = "_k3_equivalence_pristine_nvidia_dspark_mla"
 PUBLIC_NAMES = ("K3DSparkForCausalLM", "K3DSparkModel", "K3DSparkDecoderLayer")
 
-# A target with this many layers puts the draft layers at model.layers.6.. .
-TARGET_NUM_LAYERS = 6
 NUM_DRAFT_LAYERS = 3
-MAX_NUM_BATCHED_TOKENS = 64
 NUM_BLOCKS = 6
 BLOCK_SIZE = 4
 
@@ -388,12 +386,6 @@ class _WorkspaceStub:
 # --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _kimi_k3_modules() -> list[types.ModuleType]:
     mods = []
     for name, mod in list(sys.modules.items()):
@@ -419,27 +411,16 @@ def _replace_everywhere(
 
 @contextlib.contextmanager
 def cpu_environment() -> Iterator[dict[str, types.ModuleType]]:
-    """Single-rank gloo TP group plus the stand-ins both builds share."""
+    """Single-rank gloo TP group (the harness's) plus the stand-ins both builds
+    share: the recording backend, custom ops and zeroed workspace (so that
+    traces compare), and no stream capture (no CUDA driver here)."""
     import pytest
-
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
 
     pristine = load_pristine_module()
     current = load_current_module()
 
-    initialised_here = False
-    if not parallel_state.model_parallel_is_initialized():
-        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
-            parallel_state.init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-                backend="gloo",
-            )
-            parallel_state.initialize_model_parallel(1, 1)
-        initialised_here = True
+    with drafter.config_context(drafter.make_vllm_config(drafter.make_hf_config())):
+        drafter.init_dist()
 
     import vllm._custom_ops as ops_module
     import vllm.v1.attention.backends.mla.prefill.selector as prefill_selector
@@ -473,13 +454,7 @@ def cpu_environment() -> Iterator[dict[str, types.ModuleType]]:
                 recorder = _dispatching_recorder(name, fn)
                 mp.setattr(ops_module, name, recorder)
                 _replace_everywhere(mp, fn, recorder, modules)
-        try:
-            yield {"pristine": pristine, "current": current}
-        finally:
-            pass
-    if initialised_here:
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
+        yield {"pristine": pristine, "current": current}
 
 
 def _dispatching_recorder(name: str, original: Callable[..., Any]):
@@ -507,78 +482,6 @@ def recording() -> Iterator[CallLog]:
 # --------------------------------------------------------------------------
 # Building the drafter
 # --------------------------------------------------------------------------
-
-
-def draft_hf_config(*, confidence_head: bool):
-    from vllm.transformers_utils.configs.k3_dspark import K3DSparkConfig
-
-    return K3DSparkConfig(
-        architectures=["K3DSparkModel"],
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=NUM_DRAFT_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-        vocab_size=128,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=256,
-        rope_theta=50000.0,
-        num_target_layers=2,
-        target_hidden_size=48,
-        target_num_hidden_layers=TARGET_NUM_LAYERS,
-        target_layer_ids=[1, 4],
-        markov_rank=8,
-        draft_vocab_size=128,
-        logit_scale=1.25,
-        enable_confidence_head=confidence_head,
-        confidence_head_with_markov=confidence_head,
-        torch_dtype="bfloat16",
-    )
-
-
-def make_vllm_config(hf_config, cache_dtype: str):
-    from vllm.config import (
-        CacheConfig,
-        CompilationConfig,
-        CompilationMode,
-        DeviceConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-
-    vllm_config = VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        cache_config=CacheConfig(cache_dtype=cache_dtype),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs=8,
-            max_model_len=MAX_NUM_BATCHED_TOKENS,
-            is_encoder_decoder=False,
-        ),
-        # Both builds share vLLM's layers; run them in plain torch on CPU.
-        # Eager mode: no torch.compile of the native bodies either.
-        compilation_config=CompilationConfig(
-            mode=CompilationMode.NONE, custom_ops=["none"]
-        ),
-    )
-    # Only what the drafter reads: the draft's hf_config (no quantization)
-    # and the target's total layer count.
-    vllm_config.speculative_config = types.SimpleNamespace(
-        draft_model_config=types.SimpleNamespace(
-            hf_config=hf_config, quantization=None
-        ),
-        enable_adaptive_verification=False,
-    )
-    vllm_config.model_config = types.SimpleNamespace(
-        get_total_num_hidden_layers=lambda: TARGET_NUM_LAYERS,
-        head_dtype=None,
-    )
-    return vllm_config
 
 
 def _submodule_classes() -> list[type]:
@@ -669,8 +572,16 @@ def build_drafter(
 ) -> Built:
     from vllm.config import set_current_vllm_config
 
-    hf_config = draft_hf_config(confidence_head=confidence_head)
-    vllm_config = make_vllm_config(hf_config, cache_dtype)
+    hf_config = drafter.make_hf_config(
+        rope="default",
+        confidence=confidence_head,
+        num_layers=NUM_DRAFT_LAYERS,
+        logit_scale=1.25,
+    )
+    # Both builds share vLLM's layers: run their plain-torch bodies, eagerly.
+    vllm_config = drafter.make_vllm_config(
+        hf_config, cache_dtype=cache_dtype, eager=True, custom_ops=["none"]
+    )
     describer = Describer()
     describer.register_object("<vllm_config>", vllm_config)
     describer.register_object("<draft hf_config>", hf_config)
@@ -701,56 +612,10 @@ def build_drafter(
 # --------------------------------------------------------------------------
 
 
-def checkpoint_shapes(cfg) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor of a (tiny) K3 DSpark checkpoint, in checkpoint naming."""
-    h = cfg.hidden_size
-    heads = cfg.num_attention_heads
-    qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    bf16 = torch.bfloat16
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}"
-        shapes |= {
-            f"{p}.input_layernorm.weight": ((h,), bf16),
-            f"{p}.post_attention_layernorm.weight": ((h,), bf16),
-            f"{p}.self_attn.q_a_proj.weight": ((cfg.q_lora_rank, h), bf16),
-            f"{p}.self_attn.q_a_layernorm.weight": ((cfg.q_lora_rank,), bf16),
-            f"{p}.self_attn.q_b_proj.weight": (
-                (heads * qk_head, cfg.q_lora_rank),
-                bf16,
-            ),
-            f"{p}.self_attn.kv_a_proj_with_mqa.weight": (
-                (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
-                bf16,
-            ),
-            f"{p}.self_attn.kv_a_layernorm.weight": ((cfg.kv_lora_rank,), bf16),
-            f"{p}.self_attn.kv_b_proj.weight": (
-                (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                bf16,
-            ),
-            f"{p}.self_attn.o_proj.weight": ((h, heads * cfg.v_head_dim), bf16),
-            f"{p}.mlp.gate_proj.weight": ((cfg.intermediate_size, h), bf16),
-            f"{p}.mlp.up_proj.weight": ((cfg.intermediate_size, h), bf16),
-            f"{p}.mlp.down_proj.weight": ((h, cfg.intermediate_size), bf16),
-        }
-    context_in = cfg.target_hidden_size * cfg.num_target_layers
-    shapes |= {
-        "context_proj.weight": ((h, context_in), bf16),
-        "context_norm.weight": ((h,), bf16),
-        "final_norm.weight": ((h,), bf16),
-        "markov_head.markov_w1.weight": ((cfg.vocab_size, cfg.markov_rank), bf16),
-        "markov_head.markov_w2.weight": ((cfg.draft_vocab_size, cfg.markov_rank), bf16),
-        "confidence_head.proj.weight": ((1, h + cfg.markov_rank), torch.float32),
-        "confidence_head.proj.bias": ((1,), torch.float32),
-        "embed_tokens.weight": ((cfg.vocab_size, h), bf16),
-        "lm_head.weight": ((cfg.draft_vocab_size, h), bf16),
-    }
-    return shapes
-
-
 def checkpoint_names(cfg) -> list[str]:
-    """Checkpoint names to map: the real ones plus quantization suffixes."""
-    names = list(checkpoint_shapes(cfg))
+    """Checkpoint names to map: the shipped checkpoint's (the harness's, its
+    confidence head included) plus quantization suffixes and strays."""
+    names = list(drafter.checkpoint_tensors(cfg, confidence=True))
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}"
         for proj in ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj"):
@@ -773,22 +638,12 @@ def checkpoint_names(cfg) -> list[str]:
     return names
 
 
-def checkpoint_tensors(cfg, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    tensors = []
-    for name, (shape, dtype) in checkpoint_shapes(cfg).items():
-        value = torch.randn(shape, generator=generator) * 0.2
-        if name.endswith("norm.weight"):
-            value = value + 1.0
-        tensors.append((name, value.to(dtype)))
-    return tensors
-
-
 def load_checkpoint(built: Built) -> list[str]:
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(built.vllm_config):
-        loaded = built.model.load_weights(checkpoint_tensors(built.hf_config))
+        checkpoint = drafter.checkpoint_tensors(built.hf_config, confidence=True)
+        loaded = built.model.load_weights(checkpoint.items())
     return sorted(loaded)
 
 
@@ -883,41 +738,51 @@ class ContextKVScenario:
         return "-".join(parts)
 
 
+class _Labelled:
+    """Names each cache bound in one allocation `<generation>/layer<i>`."""
+
+    def __init__(self, describer: Describer, generation: str) -> None:
+        self.describer, self.generation, self.count = describer, generation, 0
+
+    def register(self, cache: torch.Tensor) -> None:
+        self.describer.register_cache(f"{self.generation}/layer{self.count}", cache)
+        self.count += 1
+
+
+def _cache_layouts(scenario: ContextKVScenario) -> list[drafter.CacheLayout]:
+    layouts = [drafter.CacheLayout(NUM_BLOCKS, BLOCK_SIZE) for _ in range(NUM_DRAFT_LAYERS)]
+    if scenario.layout == "padded_entries":  # layer 1: larger entry and block strides
+        layouts[1] = drafter.CacheLayout(NUM_BLOCKS, BLOCK_SIZE, padding=8)
+    elif scenario.layout == "block_size":
+        layouts[2] = drafter.CacheLayout(NUM_BLOCKS, BLOCK_SIZE * 2)
+    elif scenario.layout == "entry_stride":
+        # Every layer has padded entries, except layer 1, whose entries are
+        # packed inside equally padded blocks: same block size and block
+        # stride, different entry stride.
+        layouts = [drafter.CacheLayout(NUM_BLOCKS, BLOCK_SIZE, padding=8, packed=i == 1)
+                   for i in range(NUM_DRAFT_LAYERS)]
+    return layouts
+
+
 def _allocate_caches(
     log: CallLog, model: nn.Module, scenario: ContextKVScenario, generation: str
 ) -> None:
-    cfg = model.config
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     generator = torch.Generator().manual_seed(1234)
-    for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        dtype_str = attn.kv_cache_dtype
-        torch_dtype = torch.uint8 if dtype_str in _FP8_TORCH_DTYPES else torch.bfloat16
-        block_size = BLOCK_SIZE
-        padded_width = width
-        if scenario.layout == "padded_entries" and i == 1:
-            padded_width = width + 8
-        if scenario.layout == "block_size" and i == 2:
-            block_size = BLOCK_SIZE * 2
-        if scenario.layout == "entry_stride":
-            # Every layer has padded entries, except layer 1, whose entries
-            # are packed inside equally padded blocks: same block size and
-            # block stride, different entry stride.
-            padded_width = width + 8
-        storage = torch.zeros(
-            (NUM_BLOCKS, 1, block_size, padded_width), dtype=torch_dtype
-        )
-        if scenario.layout == "entry_stride" and i == 1:
-            storage = storage.view(NUM_BLOCKS, 1, -1)[..., : block_size * width]
-            storage = storage.unflatten(-1, (block_size, width))
-        # Start from non-zero contents so every write (and every stray one)
-        # shows in the final cache values.
-        if torch_dtype == torch.uint8:
+
+    def fill(storage: torch.Tensor) -> None:
+        # Non-zero contents, so every write (and every stray one) shows in the
+        # final cache values.
+        if storage.dtype == torch.uint8:
             storage.fill_(7)
         else:
             storage.copy_(torch.randn(storage.shape, generator=generator))
-        attn.bind_kv_cache(storage[..., :width])
-        log.describer.register_cache(f"{generation}/layer{i}", attn.kv_cache)
+
+    drafter.bind_caches(
+        [drafter.cache_owner(layer.self_attn) for layer in model.model.layers],
+        _cache_layouts(scenario),
+        registry=_Labelled(log.describer, generation),
+        fill=fill,
+    )
 
 
 def _slot_mapping_arg(scenario: ContextKVScenario, num_tokens: int, offset: int):
@@ -1137,7 +1002,11 @@ def _public_names(module) -> dict[str, Any]:
 
 
 def _mapper(module, confidence_head):
-    names = checkpoint_names(draft_hf_config(confidence_head=confidence_head))
+    names = checkpoint_names(
+        drafter.make_hf_config(
+            rope="default", confidence=confidence_head, num_layers=NUM_DRAFT_LAYERS
+        )
+    )
     model = _built_quietly(module, confidence_head).model
     return {
         "class": mapper_table(module.K3DSparkForCausalLM.hf_to_vllm_mapper, names),
