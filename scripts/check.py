@@ -17,8 +17,9 @@ from pathlib import Path
 from scripts import overlay
 from scripts.common import Layout, StackError, rel, say
 from scripts.fetch import ensure_artifact
-from scripts.gitrepo import create_base, is_stack_repo, read_state
+from scripts.gitrepo import create_base, dirty_files, is_stack_repo, read_state
 from scripts.pin import Pin, load_pin
+from scripts.stack import unexported_commits
 from scripts.series import (
     Patch,
     apply_to_index,
@@ -50,10 +51,28 @@ def check(layout: Layout) -> int:
             problems += _overlay_problems(layout, repo, pin, applied.tree, patches)
     for msg in problems:
         say(f"FAIL {msg}")
+    if note := _unchecked_work(layout):
+        say(f"note: {note}")
     verdict = "FAILED" if problems else "OK"
     say(f"check {verdict}: {len(patches)} patch(es), {len(problems)} problem(s), "
         f"{time.monotonic() - start:.1f}s")
     return 1 if problems else 0
+
+
+def _unchecked_work(layout: Layout) -> str | None:
+    """What build/vllm holds that this check does not see (it checks patches/)."""
+    tree = layout.tree
+    if not is_stack_repo(tree) or not read_state(tree).get("base_tag"):
+        return None
+    edits = dirty_files(tree)
+    commits = unexported_commits(layout, read_state(tree)["base_tag"])
+    if not edits and not commits:
+        return None
+    held = ", ".join(f"{n} {what}" for n, what in ((len(edits), "uncommitted change(s)"),
+                                                   (len(commits), "commit(s) not exported"))
+                     if n)
+    return (f"{rel(tree, layout)} holds {held}; this checks patches/, not them: run "
+            "`make patches` to export them, then `make check` again")
 
 
 def _series_agreement(layout: Layout, patches: list[Patch]) -> list[str]:

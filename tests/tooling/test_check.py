@@ -138,3 +138,16 @@ def test_check_after_a_pin_change_rebuilds_its_base(project):
     result = project.run("check")
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 0
+
+
+def test_check_says_when_build_vllm_holds_work_it_does_not_check(stacked):
+    """make check checks patches/: edits and commits only build/vllm has pass it
+    unseen, so it says they are there (and still passes)."""
+    assert "note:" not in stacked.ok("check").stdout
+    (stacked.tree / "vllm/models/bar.py").write_text("def bar():\n    return 'edited'\n")
+    out = stacked.ok("check").stdout
+    assert ("note: build/vllm holds 1 uncommitted change(s); this checks patches/, not them: "
+            "run `make patches` to export them, then `make check` again") in out
+    stacked.git("commit", "-q", "-a", "-m", "[ROCm] Not exported yet")
+    out = stacked.ok("check").stdout
+    assert "note: build/vllm holds 1 commit(s) not exported;" in out
