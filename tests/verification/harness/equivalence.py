@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from tests.support.pristine import base_tag, pristine_source
-from tests.verification.harness import drafter, reference
+from tests.verification.harness import drafter, ops, reference
 
 DRAFTER_RELPATH = "vllm/models/kimi_k3/nvidia/dspark_mla.py"
 DRAFTER_MODULE = "vllm.models.kimi_k3.nvidia.dspark_mla"
@@ -235,23 +235,9 @@ def assert_equivalent(expected: Any, actual: Any, what: str) -> None:
 
 
 # --------------------------------------------------------------------------
-# Plain-torch bodies for the custom ops the drafter launches
+# Recorders for the custom ops the drafter launches (the few whose effect
+# later calls see run the harness's plain-torch bodies: ops.py, reference.py)
 # --------------------------------------------------------------------------
-
-
-def _fake_rotary_embedding(
-    positions,
-    query,
-    key,
-    head_size,
-    cos_sin_cache,
-    is_neox,
-    rope_dim_offset=0,
-    inverse=False,
-):
-    # The drafter rotates whole rope heads forwards only.
-    assert rope_dim_offset == 0 and not inverse
-    reference.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
 OUTPUT_PARAMS = frozenset({"out", "output"})
@@ -262,7 +248,7 @@ class CallLog:
 
     FAKES: dict[str, Callable[..., Any]] = {
         "rms_norm": reference.rms_norm,
-        "rotary_embedding": _fake_rotary_embedding,
+        "rotary_embedding": ops.rotary_embedding,
     }
 
     def __init__(self) -> None:

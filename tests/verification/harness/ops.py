@@ -51,7 +51,7 @@ def _fused_add_rms_norm(input, residual, weight, epsilon):
     reference.fused_add_rms_norm(input, residual, weight, epsilon)
 
 
-def _rotary_embedding(
+def rotary_embedding(
     positions,
     query,
     key,
@@ -184,7 +184,7 @@ def _concat_and_cache_mla_grouped(
 _IMPLS = {
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
-    "rotary_embedding": _rotary_embedding,
+    "rotary_embedding": rotary_embedding,
     "silu_and_mul": _silu_and_mul,
     "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": (
         _mla_decode_q_concat_kv_cache_insert
