@@ -169,6 +169,7 @@ def _mutated_stack(layout: Layout, tree: Path, mutation: Mutation | None) -> lis
     base = state["base_tag"]
     parent = git(tree, "rev-parse", base).stdout.strip()
     changed = []
+    previous: str | None = None  # the file as the commit before had it
     index = {"GIT_INDEX_FILE": str(tree / ".git" / "mutate-index")}
     for k, commit in enumerate(commits_since(layout.tree, base), start=1):
         git(tree, "read-tree", commit, env=index)
@@ -181,7 +182,9 @@ def _mutated_stack(layout: Layout, tree: Path, mutation: Mutation | None) -> lis
                       input=blob.stdout.replace(mutation.old, mutation.new)).stdout.strip()
             mode = git(tree, "ls-tree", commit, "--", mutation.path).stdout.split()[0]
             git(tree, "update-index", "--cacheinfo", f"{mode},{new},{mutation.path}", env=index)
-            changed.append(k)
+            if blob.stdout != previous:  # this patch brings (or changes) the code
+                changed.append(k)
+        previous = blob.stdout if blob.returncode == 0 else None
         new_tree = git(tree, "write-tree", env=index).stdout.strip()
         message = git(tree, "log", "-1", "--format=%B", commit).stdout
         dates = git(tree, "log", "-1", "--format=%ad%n%an%n%ae", "--date=raw", commit).stdout
