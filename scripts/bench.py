@@ -2,9 +2,9 @@
 
 The figures are printed next to their goals (a second `make apply` under 10 s,
 `make check` under 60 s, `make export` under 30 s), never asserted: timings
-depend on the machine and its load, so a timed test would flake. Every command runs as a user runs it
-(`python3 -m scripts <command>`) in a scratch copy of the project that shares
-the download cache, so build/vllm and the real project are never touched.
+depend on the machine and its load, so a timed test would flake. Every command
+runs as a user runs it (`python3 -m scripts <command>`) in a scratch copy of
+the project that shares the download cache, so build/vllm and the real project are never touched.
 
 `make test` cannot run in such a copy (it needs the project's 9 GB .venv), so it
 times itself: each run records its wall time and which rows it reused

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from scripts.runbook.config import CONFIG_LABELS, Config
+from scripts.testrun import vllm_test_files
 
 IN_CONTAINER = "/runbook"  # the results folder, inside every container
 STACK_IN_CONTAINER = "/k3-stack"  # the project (scripts/), read-only
@@ -123,10 +123,11 @@ def preflight(config: Config) -> list[Session]:
 
 
 def stack_test_files(config: Config) -> list[str]:
+    """The stack's vLLM test files, as `make test` counts them, from the overlay's
+    manifest (what the stack adds or changes)."""
     manifest = json.loads((config.project_root / "vllm_overlay" / "MANIFEST.json").read_text())
-    return sorted(e["path"] for e in manifest["files"]
-                  if e["path"].startswith("tests/") and Path(e["path"]).name.startswith("test_")
-                  and e["patched_sha256"] != "deleted")
+    return vllm_test_files([e["path"] for e in manifest["files"]
+                            if e["patched_sha256"] != "deleted"])
 
 
 def tests(config: Config) -> list[Session]:

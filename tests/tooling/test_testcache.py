@@ -25,7 +25,6 @@ from scripts.common import Layout, StackError
 from tests.tooling.conftest import (
     FOO_PATCHED,
     NEW_MODEL,
-    PYTHON,
     REPO,
     SUBJECT_1,
     SUBJECT_2,
