@@ -165,7 +165,7 @@ def run_all(layout: Layout, fresh: bool = False, only: str = "") -> int:
     context = KeyContext.of(layout, base)
     store.save_project_files(context)
     with PrefixTrees(layout) as prefixes:
-        rows = chosen_rows(test_rows(layout, base, store.dir, prefixes), only)
+        rows = chosen_rows(test_rows(layout, base, prefixes), only)
         jobs = [job for row in rows for job in row.jobs]
         runner = Runner(layout, context, store, fresh)
         say(f"make test: {len(rows)} rows, {len(jobs)} commands, {runner.workers} at a time"
@@ -198,7 +198,7 @@ def chosen_rows(rows: list[Row], only: str) -> list[Row]:
     return [row for row in rows if row.name in names]
 
 
-def test_rows(layout: Layout, base: str, results_dir: Path, prefixes: PrefixTrees) -> list[Row]:
+def test_rows(layout: Layout, base: str, prefixes: PrefixTrees) -> list[Row]:
     """Every row of `make test`, in order. A new suite is one more Row here."""
     tree = working_tree_id(layout.tree)
     stack_tests = stack_test_files(layout.tree, base)

@@ -42,8 +42,7 @@ def runner(stacked, monkeypatch):
 
 def _run_prefixes(project) -> dict[str, dict]:
     """Run the prefix rows; their rows of summary.json by name."""
-    rows = testrun.test_rows(project.layout, BASE, project.layout.build_dir,
-                             PrefixTrees(project.layout))
+    rows = testrun.test_rows(project.layout, BASE, PrefixTrees(project.layout))
     prefixes = [row.name for row in rows if row.name.startswith("prefix ")]
     testrun.run_all(project.layout, only=",".join(prefixes))
     summary = json.loads((project.layout.build_dir / "test-results/summary.json").read_text())

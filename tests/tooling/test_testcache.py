@@ -289,13 +289,13 @@ def test_in_a_git_checkout_ignored_files_are_no_inputs_and_new_ones_are(suites):
 
 def test_a_command_reruns_when_an_input_it_declares_changes(suites, monkeypatch):
     """A command from another suite declares what else it reads; only it reruns."""
-    def rows(layout, base, results_dir, prefixes):
+    def rows(layout, base, prefixes):
         def run(log):
             _log("hadolint")
             return testrun.Part("install-overlay", ".", passed=1)
         job = testrun.Job("overlay", "install-overlay", "overlay", ("install-overlay",), None,
                           run, inputs=("vllm_overlay",))
-        return [*original(layout, base, results_dir, prefixes),
+        return [*original(layout, base, prefixes),
                 testrun.Row("overlay", None, [job])]
 
     original = testrun.test_rows
