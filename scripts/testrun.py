@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from scripts.common import Layout, StackError, rel, say
+from scripts.forkserver import ForkServers
 from scripts.gitrepo import git, read_state
 from scripts.lint import LintResult, print_results, run_hadolint, run_lints
 from scripts.lock import LINT
@@ -164,8 +165,9 @@ def run_all(layout: Layout, fresh: bool = False, only: str = "") -> int:
     store = ResultStore(layout)
     context = KeyContext.of(layout, base)
     store.save_project_files(context)
-    with PrefixTrees(layout) as prefixes:
-        rows = chosen_rows(test_rows(layout, base, prefixes), only)
+    with (PrefixTrees(layout) as prefixes,
+          ForkServers(venv_python(layout), store.dir / "servers") as servers):
+        rows = chosen_rows(test_rows(layout, base, prefixes, servers), only)
         jobs = [job for row in rows for job in row.jobs]
         runner = Runner(layout, context, store, fresh)
         say(f"make test: {len(rows)} rows, {len(jobs)} commands, {runner.workers} at a time"
@@ -198,8 +200,10 @@ def chosen_rows(rows: list[Row], only: str) -> list[Row]:
     return [row for row in rows if row.name in names]
 
 
-def test_rows(layout: Layout, base: str, prefixes: PrefixTrees) -> list[Row]:
-    """Every row of `make test`, in order. A new suite is one more Row here."""
+def test_rows(layout: Layout, base: str, prefixes: PrefixTrees,
+              servers: ForkServers | None = None) -> list[Row]:
+    """Every row of `make test`, in order. A new suite is one more Row here.
+    vLLM's test files run in forks of `servers` (if given), each in its tree."""
     tree = working_tree_id(layout.tree)
     stack_tests = stack_test_files(layout.tree, base)
     regression = _regression_groups(layout, stack_tests)
@@ -218,14 +222,14 @@ def test_rows(layout: Layout, base: str, prefixes: PrefixTrees) -> list[Row]:
                                   ("hadolint", "docker/Dockerfile*"), None,
                                   lambda log: _hadolint(layout))]),
     ]
-    rows += _prefix_rows(layout, base, prefixes)
+    rows += _prefix_rows(layout, base, prefixes, servers)
     in_tree = [layout.tree, layout.root]
     rows += [
-        Row("stack", tree, [_vllm_unit(layout, "stack", f, [f], layout.tree, in_tree, tree)
-                            for f in stack_tests],
+        Row("stack", tree, [_vllm_unit(layout, "stack", f, [f], layout.tree, in_tree, tree,
+                                       servers) for f in stack_tests],
             note="the stack adds or changes no vLLM tests"),
         Row("regression", tree, [_vllm_unit(layout, "regression", folder, args, layout.tree,
-                                            in_tree, tree)
+                                            in_tree, tree, servers)
                                  for folder, args in regression]),
         Row("verification", tree, [_pytest_job(layout, "verification", "verification", f,
                                                [f], layout.root, in_tree, tree=tree,
@@ -238,7 +242,7 @@ def test_rows(layout: Layout, base: str, prefixes: PrefixTrees) -> list[Row]:
 
     def rocm_unit(suite: str, title: str, args: list[str]) -> Job:
         return _vllm_unit(layout, suite, title, rocm_args(args, deselects, renamed),
-                          layout.tree, emulated, tree)
+                          layout.tree, emulated, tree, servers)
 
     rows += [
         Row("stack (ROCm)", tree, [rocm_unit("stack (ROCm)", f, [f]) for f in stack_tests],
@@ -263,7 +267,8 @@ def vllm_test_files(paths: list[str]) -> list[str]:
         "test_") and p.endswith(".py"))
 
 
-def _prefix_rows(layout: Layout, base: str, prefixes: PrefixTrees) -> list[Row]:
+def _prefix_rows(layout: Layout, base: str, prefixes: PrefixTrees,
+                 servers: ForkServers | None = None) -> list[Row]:
     """Lint and stack tests of each proper prefix of the stack, one row each."""
     commits = prefix_commits(layout.tree, base)
     total = len(commits) + 1
@@ -278,7 +283,8 @@ def _prefix_rows(layout: Layout, base: str, prefixes: PrefixTrees) -> list[Row]:
 
         jobs = [_lint_job(layout, suite, base, worktree, tree, checkout)]
         jobs += [_vllm_unit(layout, suite, f, [f], worktree, [worktree, layout.root], tree,
-                            checkout) for f in stack_test_files(layout.tree, base, commit)]
+                            servers, checkout)
+                 for f in stack_test_files(layout.tree, base, commit)]
         rows.append(Row(suite, tree, jobs))
     return rows
 
@@ -354,23 +360,26 @@ def _concerns(node_id: str, args: list[str]) -> bool:
 
 
 def _vllm_unit(layout: Layout, suite: str, title: str, args: list[str], cwd: Path,
-               path: list[Path], tree: str, checkout: Callable[[], Path] | None = None) -> Job:
-    """vLLM's tests, run in (and tracked in) the tree they test. The same test
-    file in every tree is one check, so a prefix can reuse what another found."""
+               path: list[Path], tree: str, servers: ForkServers | None,
+               checkout: Callable[[], Path] | None = None) -> Job:
+    """vLLM's tests, run in (and tracked in) the tree they test, in a fork of a
+    server there. The same test file in every tree is one check, so a prefix can
+    reuse what another found."""
     return _pytest_job(layout, suite, "vllm tests", title, args, cwd, path, tree=tree,
-                       tracked=cwd, checkout=checkout)
+                       tracked=cwd, checkout=checkout, servers=servers)
 
 
 def _pytest_job(layout: Layout, suite: str, check: str, title: str, args: list[str],
                 cwd: Path, path: list[Path], *, tree: str | None, tracked: Path | None = None,
-                inputs: tuple[str, ...] = (), checkout: Callable[[], Path] | None = None) -> Job:
+                inputs: tuple[str, ...] = (), checkout: Callable[[], Path] | None = None,
+                servers: ForkServers | None = None) -> Job:
     command = _retypable(layout, args, cwd, path)
     where = rel(cwd, layout)
 
     def run(log: Path, reads_log: Path | None = None) -> Part:
         if checkout:
             checkout()
-        part = _pytest(layout, args, cwd, path, log, reads_log, tracked)
+        part = _pytest(layout, args, cwd, path, log, reads_log, tracked, servers)
         part.command, part.where = command, where
         return part
 
@@ -401,7 +410,8 @@ def _lint_job(layout: Layout, suite: str, base: str, tree_dir: Path, tree: str,
 
 
 def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: Path,
-            reads_log: Path | None, tracked: Path | None) -> Part:
+            reads_log: Path | None, tracked: Path | None,
+            servers: ForkServers | None = None) -> Part:
     xml = log.with_suffix(".xml")
     xml.unlink(missing_ok=True)
     env = {**os.environ, "K3_PROJECT_ROOT": str(layout.root),
@@ -410,16 +420,25 @@ def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: P
         env["PYTHONPATH"] = f"{TRACKER_DIR}{os.pathsep}{env['PYTHONPATH']}"
         env.update(tracker_env(reads_log, tracked, [layout.root / p for p in sorted(
             NOT_PROJECT_INPUTS)], read_state(layout.tree)["base_tag"]))
-    cmd = [str(venv_python(layout)), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           f"--junitxml={xml}", *args]
+    pytest_args = ["-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args]
     start = time.monotonic()
-    with open(log, "w") as out:
-        code = subprocess.run(cmd, cwd=cwd, env=env, stdout=out,
-                              stderr=subprocess.STDOUT).returncode
+    served = None
+    if servers is not None and reads_log is not None:
+        served = servers.run(cwd, env, pytest_args, log, reads_log)
+    if served is not None:
+        code, server_reads = served
+        with open(reads_log, "a") as reads:  # what the server read before the fork
+            reads.write(server_reads.read_text(errors="replace"))
+    else:
+        with open(log, "w") as out:
+            code = subprocess.run([str(venv_python(layout)), "-m", "pytest", *pytest_args],
+                                  cwd=cwd, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT).returncode
     part = _read_junit(xml)
     part.seconds = time.monotonic() - start
     part.log = rel(log, layout)
-    if code not in (0, 1) or (code == 1 and not part.failed):
+    skipped_whole = code == 5 and part.skipped  # a module-level skip: nothing to collect
+    if (code not in (0, 1) and not skipped_whole) or (code == 1 and not part.failed):
         # Collection errors, usage errors, or no tests at all (exit 5).
         part.failed += 1
         part.note = f"pytest exited {code}"

@@ -25,7 +25,14 @@ _PROBES = frozenset({"uname", "ldconfig", "file", "lscpu", "nproc", "hostname", 
                      "nvcc", "hipcc", "hipconfig"})
 
 
+def switch_log(path: str) -> None:
+    """From now on, record into `path` (a forked child of a fork server: each
+    test file has its own log; the server's reads before the fork stay in its)."""
+    raise RuntimeError("the read tracker is off: K3_READS_LOG and K3_READS_ROOT are unset")
+
+
 def _install() -> None:
+    global switch_log
     log = os.environ.get("K3_READS_LOG")
     roots = [r for r in os.environ.get("K3_READS_ROOT", "").split(os.pathsep) if r]
     if not log or not roots:
@@ -37,6 +44,13 @@ def _install() -> None:
     state = {"fd": os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)}
     seen: set = set()
     fspath, abspath, write = os.fspath, os.path.abspath, os.write
+
+    def switch(path):
+        os.close(state["fd"])
+        state["fd"] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.environ["K3_READS_LOG"] = path  # for the subprocesses it starts
+
+    switch_log = switch
 
     def note(kind, path):
         if (kind, path) in seen:

@@ -37,6 +37,16 @@ TEST_BAR = "from vllm.models.bar import bar\n\n\ndef test_bar():\n    assert bar
 TEST_NEW = ("from vllm.models.new import new_model\n\n\n"
             "def test_new():\n    assert new_model() == 42\n")
 TOOLING_TEST = "def test_tool():\n    assert True\n"
+# The fake vLLM's tests say that they run, however they are started (a pytest
+# process, or a fork of make test's server for the tree).
+TREE_CONFTEST = """\
+import os
+
+
+def pytest_configure(config):
+    with open(os.environ["FAKE_RUN_LOG"], "a") as f:
+        f.write(f"pytest --junitxml={config.option.xmlpath}\\n")
+"""
 # Fails while the file FAKE_VERIFY_NEEDS names is missing: an outside condition
 # (a flaky machine) that is no input of the key.
 VERIFY_TEST = """\
@@ -84,7 +94,8 @@ def _log(line: str) -> None:
 
 def _make_suite_project(project) -> None:
     """Three patches (1 and 2 with tests), a regression list, the project's own suites."""
-    project.use_release(V1, files={**release_files(V1), "tests/test_bar.py": TEST_BAR.encode()})
+    project.use_release(V1, files={**release_files(V1), "tests/test_bar.py": TEST_BAR.encode(),
+                                   "tests/conftest.py": TREE_CONFTEST.encode()})
     project.ok("apply")
     project.commit(SUBJECT_1, {"vllm/models/foo.py": FOO_PATCHED,
                                "tests/test_foo.py": TEST_FOO_PATCHED})
@@ -289,13 +300,13 @@ def test_in_a_git_checkout_ignored_files_are_no_inputs_and_new_ones_are(suites):
 
 def test_a_command_reruns_when_an_input_it_declares_changes(suites, monkeypatch):
     """A command from another suite declares what else it reads; only it reruns."""
-    def rows(layout, base, prefixes):
+    def rows(layout, base, prefixes, servers):
         def run(log):
             _log("hadolint")
             return testrun.Part("install-overlay", ".", passed=1)
         job = testrun.Job("overlay", "install-overlay", "overlay", ("install-overlay",), None,
                           run, inputs=("vllm_overlay",))
-        return [*original(layout, base, prefixes),
+        return [*original(layout, base, prefixes, servers),
                 testrun.Row("overlay", None, [job])]
 
     original = testrun.test_rows

@@ -98,6 +98,21 @@ def test_pytest_without_any_test_counts_as_a_failure(tmp_path):
     assert "no tests ran" in (tmp_path / "empty.log").read_text()
 
 
+def test_a_file_that_skips_as_a_whole_is_no_failure(tmp_path):
+    """pytest also exits 5 when a module skips itself (a GPU-only file on CPU):
+    that file ran, and skipped, as it should."""
+    (tmp_path / "test_gpu.py").write_text(
+        "import pytest\n\npytest.skip('needs a GPU', allow_module_level=True)\n")
+    layout = Layout(tmp_path)
+    venv_python = layout.venv / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    venv_python.chmod(0o755)
+    part = testrun._pytest(layout, ["test_gpu.py"], tmp_path, [tmp_path], tmp_path / "gpu.log",
+                           None, None)
+    assert (part.failed, part.skipped, part.note) == (0, 1, "")
+
+
 def _real_hadolint() -> Path | None:
     """hadolint from .venv-lint (requirements/lint.lock), or one on PATH."""
     import shutil
