@@ -22,7 +22,7 @@ import threading
 # Programs that read no file they are not named (platform and library probes).
 _PROBES = frozenset({"uname", "ldconfig", "file", "lscpu", "nproc", "hostname", "which",
                      "nvidia-smi", "rocm-smi", "amd-smi", "rocminfo", "gcc", "cc", "ld",
-                     "nvcc", "hipcc", "hipconfig"})
+                     "g++", "c++", "clang", "clang++", "nvcc", "hipcc", "hipconfig"})
 
 
 def switch_log(path: str) -> None:
@@ -149,8 +149,19 @@ def _install() -> None:
         return bool(revs) and revs[0] == base
 
     def probe(argv):
-        return (bool(argv) and os.path.basename(fspath(argv[0])) in _PROBES
-                and not any(under_root(a) for a in argv[1:] if not str(a).startswith("-")))
+        """A known probe given no path in the tree (an argument, or an option's
+        value: `-I.`, `--include=dir`)."""
+        if not argv or os.path.basename(fspath(argv[0])) not in _PROBES:
+            return False
+        paths = []
+        for arg in map(str, argv[1:]):
+            if arg.startswith("--"):
+                paths.append(arg.partition("=")[2])
+            elif arg.startswith("-"):
+                paths.append(arg[2:])
+            else:
+                paths.append(arg)
+        return not any(under_root(p) for p in paths if p)
 
     def on_popen(args):
         executable, argv, cwd, env = args
