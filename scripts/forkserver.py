@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROCM_PLUGIN = "rocm_emulation.plugin"
@@ -115,6 +116,7 @@ def _child(request: dict) -> None:
 class _Server:
     def __init__(self, command: list[str], cwd: Path, env: dict[str, str], reads: Path):
         self.reads = reads
+        self.idle_since = 0.0
         self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True)
@@ -143,10 +145,11 @@ class _Server:
 
 class ForkServers:
     """Servers by (folder, environment), started when a file first needs one; as many
-    per key as files run at once there. Leaving closes them all."""
+    per key as files run at once there. At most `keep` wait idle (each holds
+    about 1 GB): the one idle longest goes first. Leaving closes them all."""
 
-    def __init__(self, python: Path, scratch: Path):
-        self.python, self.scratch = python, scratch
+    def __init__(self, python: Path, scratch: Path, keep: int = 2):
+        self.python, self.scratch, self.keep = python, scratch, keep
         self._idle: dict[tuple, list[_Server]] = {}
         self._all: list[_Server] = []
         self._lock = threading.Lock()
@@ -169,6 +172,11 @@ class ForkServers:
             return None
         with self._lock:
             self._idle.setdefault(key, []).append(server)
+            server.idle_since = time.monotonic()
+            idle = sorted((s.idle_since, k, s) for k, ss in self._idle.items() for s in ss)
+            for _, old_key, old in idle[:max(0, len(idle) - self.keep)]:
+                self._idle[old_key].remove(old)
+                old.close()
         return code, server.reads
 
     def _take(self, key: tuple, cwd: Path, env: dict[str, str], rocm: bool) -> _Server | None:

@@ -21,8 +21,12 @@ import threading
 
 # Programs that read no file they are not named (platform and library probes).
 _PROBES = frozenset({"uname", "ldconfig", "file", "lscpu", "nproc", "hostname", "which",
-                     "nvidia-smi", "rocm-smi", "amd-smi", "rocminfo", "gcc", "cc", "ld",
-                     "g++", "c++", "clang", "clang++", "nvcc", "hipcc", "hipconfig"})
+                     "nvidia-smi", "rocm-smi", "amd-smi", "rocminfo", "openssl",
+                     "gcc", "cc", "ld", "g++", "c++", "clang", "clang++", "nvcc", "hipcc",
+                     "hipconfig"})
+# Their short options whose value is a path (-I., -o out): -D, -l, -O, -W and
+# the like name none.
+_PATH_OPTIONS = ("-I", "-L", "-o", "-B", "-F", "-include", "-isystem", "-iquote", "-imacros")
 
 
 def switch_log(path: str) -> None:
@@ -154,12 +158,15 @@ def _install() -> None:
         if not argv or os.path.basename(fspath(argv[0])) not in _PROBES:
             return False
         paths = []
-        for arg in map(str, argv[1:]):
+        words = list(map(str, argv[1:]))
+        for i, arg in enumerate(words):
             if arg.startswith("--"):
                 paths.append(arg.partition("=")[2])
-            elif arg.startswith("-"):
-                paths.append(arg[2:])
-            else:
+            elif arg in _PATH_OPTIONS and i + 1 < len(words):
+                paths.append(words[i + 1])  # `-o out`: the next word
+            elif arg.startswith(_PATH_OPTIONS):
+                paths.append(arg[len(next(o for o in _PATH_OPTIONS if arg.startswith(o))):])
+            elif not arg.startswith("-") and not (i and words[i - 1] in _PATH_OPTIONS):
                 paths.append(arg)
         return not any(under_root(p) for p in paths if p)
 

@@ -140,8 +140,10 @@ def test_python_subprocesses_are_followed(tree, tmp_path):
     ("open('.git/HEAD').read()\n", "reads .git"),
     ("import subprocess\nsubprocess.run(['gcc', '-E', '-I.', '-x', 'c', '/dev/null'], "
      "capture_output=True)\n", "runs gcc"),
+    ("import subprocess\nsubprocess.run(['gcc', '-E', '-o', 'out.i', '-x', 'c', '/dev/null'], "
+     "capture_output=True)\n", "runs gcc"),
 ], ids=["cat", "isolated-python", "clean-environment", "write", "git-internals",
-        "probe-given-the-tree"])
+        "probe-given-the-tree", "probe-writing-the-tree"])
 def test_what_cannot_be_followed_makes_the_whole_tree_the_input(tree, tmp_path, program, why):
     reads = tree.run(program, tmp_path)
     assert any(reason.startswith(why) for reason in reads.opaque), reads.opaque
@@ -155,7 +157,9 @@ def test_the_pristine_release_and_system_probes_read_nothing_of_the_tree(tree, t
                      f"subprocess.run(['git', '-C', '.', 'show', '{BASE}:pkg/used.py'], "
                      f"check=True, capture_output=True)\n"
                      f"subprocess.run(['uname', '-p'], capture_output=True)\n"
-                     f"subprocess.run(['g++', '-v'], capture_output=True)\n", tmp_path)
+                     f"subprocess.run(['g++', '-v'], capture_output=True)\n"
+                     f"subprocess.run(['g++', '-DX=1', '-O2', '-lm', '-E', '-x', 'c++', "
+                     f"'/dev/null'], capture_output=True)\n", tmp_path)
     assert not reads.opaque
     reads = tree.run("import subprocess\nsubprocess.run(['git', '-C', '.', 'show', "
                      "'HEAD:pkg/used.py'], capture_output=True)\n", tmp_path)
