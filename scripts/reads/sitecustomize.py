@@ -167,7 +167,9 @@ def _install() -> None:
             elif arg.startswith(_PATH_OPTIONS):
                 paths.append(arg[len(next(o for o in _PATH_OPTIONS if arg.startswith(o))):])
             elif not arg.startswith("-") and not (i and words[i - 1] in _PATH_OPTIONS):
-                paths.append(arg)
+                # A word that looks like a path (`-x c++`, `sha512` are no paths).
+                if "/" in arg or "." in arg or os.path.lexists(arg):
+                    paths.append(arg)
         return not any(under_root(p) for p in paths if p)
 
     def on_popen(args):
