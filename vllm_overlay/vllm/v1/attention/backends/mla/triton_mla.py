@@ -347,6 +347,7 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 self.scale,
                 PAGE_SIZE,
                 layer._k_scale,
+                self._sm_count,
             )
             return o, lse
         if query_len > 1:
