@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before Triton is imported: its cache keys on the kernel source, the
     # specialization and the options, so an unchanged kernel is not compiled again.
     os.environ["TRITON_CACHE_DIR"] = str(cache / "triton-cache")
+    # Compiled, never interpreted (the stack's CPU tests set it for their workers).
+    os.environ.pop("TRITON_INTERPRET", None)
 
     from scripts.amd_resources import check, sweep
     from scripts.amd_resources.targets import ARCHS

@@ -67,6 +67,9 @@ class Resources:
             found.append(f"spills {self.vgpr_spills} VGPRs, {self.sgpr_spills} SGPRs")
         if self.scratch:
             found.append(f"scratch {self.scratch} B a lane")
+        if not found and self.workgroups_per_cu == 0:
+            found.append(f"no workgroup of {self.options['num_warps']} waves fits a CU "
+                         f"({self.allocated_vgprs} VGPRs a lane)")
         return found
 
     def to_json(self) -> dict:

@@ -9,8 +9,9 @@ tokens per iteration (BLOCK_N), warps, stages and the AMD options.
 2. For the wrapper's tile and, per KV dtype and row count, the tile that fits
    with the most waves a SIMD and the largest KV step: each option varied on
    its own (waves_per_eu, matrix_instr_nonkdim, kpack, the fp8 reload).
-3. Those best tiles again at page 16 (per-token page gather when BLOCK_N > 16)
-   and with a KV cache over 2 GiB (no buffer loads).
+3. The best 3 fitting tiles per KV dtype and row count again at page 16
+   (per-token page gather when BLOCK_N > 16) and with a KV cache over 2 GiB
+   (no buffer loads); the first that fits at all three is reported.
 
 A tile fits when it compiles within the CU's LDS without spills or scratch and
 a workgroup fits a CU. What is fastest among them is for the hardware: the
@@ -149,20 +150,29 @@ def second_round(tiles: list[Tile], arch: Arch) -> list[Tile]:
 
 
 def fits(result: Resources, arch: Arch) -> bool:
-    return not result.violations(arch) and result.workgroups_per_cu > 0
+    return not result.violations(arch)
 
 
-def best_per_rows(pairs: list[tuple[Tile, Resources]], arch: Arch) -> list[Tile]:
-    """Per KV dtype and BLOCK_M, the fitting tile with the most waves a SIMD,
-    then the largest KV step, then the most stages, then the fewest warps."""
-    best: dict[tuple[str, int], tuple[tuple, Tile]] = {}
+RANKED = 3  # tiles per KV dtype and row count tried at the other shapes
+
+
+def ranked_per_rows(pairs: list[tuple[Tile, Resources]], arch: Arch,
+                    count: int = RANKED) -> list[Tile]:
+    """Per KV dtype and BLOCK_M, the `count` fitting tiles (BLOCK_N, warps, stages;
+    each with its best options, the first tried on a tie) with the most waves a
+    SIMD, then the largest KV step, then the most stages, then the fewest warps."""
+    by_tile: dict[tuple, tuple[tuple, Tile]] = {}
     for tile, result in pairs:
         if fits(result, arch):
             score = (result.waves_per_simd, tile.block_n, tile.num_stages, -tile.num_warps)
-            key = (tile.kv, tile.block_m)
-            if key not in best or score > best[key][0]:
-                best[key] = (score, tile)
-    return [tile for _, tile in sorted(best.values(), key=lambda x: (x[1].kv, x[1].block_m))]
+            key = (tile.kv, tile.block_m, tile.block_n, tile.num_warps, tile.num_stages)
+            if key not in by_tile or score > by_tile[key][0]:
+                by_tile[key] = (score, tile)
+    ranked: dict[tuple[str, int], list[tuple[tuple, Tile]]] = {}
+    for (kv, block_m, *_), entry in by_tile.items():
+        ranked.setdefault((kv, block_m), []).append(entry)
+    return [tile for key in sorted(ranked)
+            for _, tile in sorted(ranked[key], key=lambda x: x[0], reverse=True)[:count]]
 
 
 HEADERS = ("tile (KV M x N, warps, stages, options)", "LDS KiB", "VGPR", "AGPR", "alloc",
@@ -170,9 +180,7 @@ HEADERS = ("tile (KV M x N, warps, stages, options)", "LDS KiB", "VGPR", "AGPR",
 
 
 def verdict(result: Resources, arch: Arch) -> str:
-    if fits(result, arch):
-        return "fits"
-    return "; ".join(result.violations(arch)) or "no workgroup fits a CU"
+    return "; ".join(result.violations(arch)) or "fits"
 
 
 def row(tile: Tile, result: Resources, arch: Arch) -> list[str]:
@@ -190,8 +198,16 @@ def row(tile: Tile, result: Resources, arch: Arch) -> list[str]:
 class Study:
     arch: Arch
     pairs: list[tuple[Tile, Resources]]  # rounds 1 and 2
-    best: list[Tile]
-    elsewhere: dict[str, list[Resources]]  # round 3: the best tiles at OTHER_SHAPES
+    ranked: list[Tile]
+    elsewhere: dict[str, list[Resources]]  # round 3: the ranked tiles at OTHER_SHAPES
+
+    def best(self) -> list[Tile]:
+        """Per KV dtype and BLOCK_M, the first ranked tile that fits everywhere."""
+        best: dict[tuple[str, int], Tile] = {}
+        for i, tile in enumerate(self.ranked):
+            if all(fits(rs[i], self.arch) for rs in self.elsewhere.values()):
+                best.setdefault((tile.kv, tile.block_m), tile)
+        return list(best.values())
 
 
 def study(tree: Path, arch: Arch, jobs: int) -> Study:
@@ -200,13 +216,13 @@ def study(tree: Path, arch: Arch, jobs: int) -> Study:
         production = [production_tile(base[kv], kv) for kv in KVS]
         tiles = first_round(production[0])
         pairs = list(zip(tiles, compile_tiles(base, tiles, arch, jobs)))
-        best = best_per_rows(pairs, arch)
-        more = second_round(production + best, arch)
+        more = second_round(production + ranked_per_rows(pairs, arch, 1), arch)
         pairs += zip(more, compile_tiles(base, more, arch, jobs))
-        best = best_per_rows(pairs, arch)
-        elsewhere = {name: compile_tiles(base_launches(load, tree, arch, shape), best, arch, jobs)
+        ranked = ranked_per_rows(pairs, arch)
+        elsewhere = {name: compile_tiles(base_launches(load, tree, arch, shape), ranked, arch,
+                                         jobs)
                      for name, shape in OTHER_SHAPES.items()}
-    return Study(arch, pairs, best, elsewhere)
+    return Study(arch, pairs, ranked, elsewhere)
 
 
 def report(result: Study, markdown: bool) -> str:
@@ -216,9 +232,10 @@ def report(result: Study, markdown: bool) -> str:
              f"{SHAPE['kv_storage']}; KV passes = programs that read the KV for the block",
              render(HEADERS, [row(t, r, arch) for t, r in result.pairs], markdown),
              f"{sum(fits(r, arch) for _, r in result.pairs)} of {len(result.pairs)} tiles fit",
-             "", f"{arch.name}: the best fitting tile per KV dtype and rows, elsewhere:"]
+             "", f"{arch.name}: the {RANKED} best ranked fitting tiles per KV dtype and rows "
+             "(most waves, then largest KV step, most stages, fewest warps), elsewhere:"]
     rows = []
-    for i, tile in enumerate(result.best):
+    for i, tile in enumerate(result.ranked):
         cells = [tile.label()]
         for name in OTHER_SHAPES:
             other = result.elsewhere[name][i]
@@ -226,6 +243,8 @@ def report(result: Study, markdown: bool) -> str:
                          f"{other.waves_per_simd} waves")
         rows.append(cells)
     lines.append(render(("tile", *OTHER_SHAPES), rows, markdown))
+    lines += ["", f"{arch.name}: first ranked tile that fits everywhere, per KV dtype and rows:"]
+    lines += [f"  {tile.label()}" for tile in result.best()]
     return "\n".join(lines)
 
 
@@ -237,7 +256,8 @@ def main(tree: Path, archs: list[Arch], markdown: bool, json_path: Path | None,
         print("\n" + report(result, markdown))
         everything[arch.name] = {
             "tiles": [{"tile": dataclasses.asdict(t), **r.to_json()} for t, r in result.pairs],
-            "best": [dataclasses.asdict(t) for t in result.best],
+            "ranked": [dataclasses.asdict(t) for t in result.ranked],
+            "best": [dataclasses.asdict(t) for t in result.best()],
             "elsewhere": {name: [r.to_json() for r in rs]
                           for name, rs in result.elsewhere.items()}}
     if json_path:
