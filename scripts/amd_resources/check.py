@@ -29,11 +29,12 @@ def production_resources(tree: Path, arch: Arch, jobs: int = 1) -> list[Resource
 
 def failures_of(results: list[Resources], arch: Arch) -> list[str]:
     """One line per variant of the stack's kernels that breaks a limit of `arch`."""
-    return [f"{arch.name} {kernel_name(r)} {describe_shape(r.shapes[0])}: {problem}"
-            for r in results if is_checked(r) for problem in r.violations(arch)]
+    return [f"{arch.name} {kernel_name(r)} {describe_shape(r.shapes[0])}: "
+            + "; ".join(r.violations(arch)) for r in results if is_checked(r) and r.violations(arch)]
 
 
 def describe_shape(shape: dict) -> str:
+    """A variant's first shape (the others differ in what leaves the code alone)."""
     return ", ".join(f"{k}={v}" for k, v in shape.items())
 
 

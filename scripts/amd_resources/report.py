@@ -15,7 +15,7 @@ PATH_NAMES = {"block": "block (patch 7)", "sampler": "sampler (patch 6)",
 _FIXED_BLOCKS = {"BLOCK_DV", "BLOCK_DMODEL", "BLOCK_DPE"}
 
 HEADERS = ("arch", "path", "kernel", "KV", "tile", "launch", "variants", "LDS KiB",
-           "VGPR", "AGPR", "alloc", "scratch", "waves/SIMD", "with LDS")
+           "VGPR", "AGPR", "alloc", "scratch B", "spills V/S", "waves/SIMD", "with LDS")
 
 
 def path_of(result: Resources) -> str:
@@ -26,9 +26,13 @@ def is_checked(result: Resources) -> bool:
     return path_of(result) in CHECKED_PATHS
 
 
+def _tile_sizes(result: Resources) -> dict[str, int]:
+    return {name[len("BLOCK_"):]: value for name, value in result.constexprs.items()
+            if name.startswith("BLOCK_") and name not in _FIXED_BLOCKS}
+
+
 def tile(result: Resources) -> str:
-    return " ".join(f"{name[len('BLOCK_'):]}{value}" for name, value in result.constexprs.items()
-                    if name.startswith("BLOCK_") and name not in _FIXED_BLOCKS) or "-"
+    return " ".join(f"{name}{value}" for name, value in _tile_sizes(result).items()) or "-"
 
 
 def launch_options(result: Resources) -> str:
@@ -61,13 +65,16 @@ def summary_rows(results: list[Resources]) -> list[list[str]]:
     groups: dict[tuple, list[Resources]] = {}
     for r in results:
         if not r.error:
-            groups.setdefault((r.arch, _PATH_ORDER.index(path_of(r)), kernel_name(r), tile(r),
-                               launch_options(r), _kv_caches(r)), []).append(r)
+            groups.setdefault((r.arch, _PATH_ORDER.index(path_of(r)), kernel_name(r),
+                               tuple(_tile_sizes(r).values()), tile(r), launch_options(r),
+                               _kv_caches(r)), []).append(r)
     merged: dict[tuple, tuple[set[tuple[str, str]], int]] = {}
-    for (arch, path, kernel, tile_text, launch, caches), members in sorted(groups.items()):
+    for (arch, path, kernel, _, tile_text, launch, caches), members in sorted(groups.items()):
         figures = (_span((m.lds for m in members), 1024), _span(m.vgprs for m in members),
                    _span(m.agprs for m in members), _span(m.allocated_vgprs for m in members),
                    _span(m.scratch for m in members),
+                   f"{_span(m.vgpr_spills for m in members)}/"
+                   f"{_span(m.sgpr_spills for m in members)}",
                    _span(m.waves_by_vgprs for m in members),
                    _span(m.waves_per_simd for m in members))
         key = (arch, path, kernel, tile_text, launch, figures)

@@ -113,11 +113,14 @@ def test_split_count_leaves_stage1_resources_unchanged(tiles):
 
 def test_limits_are_each_gpus():
     mi300, mi355 = arch_named("gfx942"), arch_named("gfx950")
-    tile = Resources("k", "", [{}], lds=72 * 1024)
+    tile = Resources("k", "", [{}], lds=72 * 1024, workgroups_per_cu=1)
     assert tile.violations(mi300) == ["LDS 73728 B > 65536 B of a MI300X CU"]
     assert tile.violations(mi355) == []
-    assert Resources("k", "", [{}], sgpr_spills=1).violations(mi355) == [
+    assert Resources("k", "", [{}], sgpr_spills=1, workgroups_per_cu=1).violations(mi355) == [
         "spills 0 VGPRs, 1 SGPRs"]
+    assert Resources("k", "", [{}], options={"num_warps": 8},
+                     allocated_vgprs=264).violations(mi355) == [
+        "no workgroup of 8 waves fits a CU (264 VGPRs a lane)"]
     # 512 VGPRs a SIMD lane in granules of 8, at most 8 waves.
     assert [waves_by_vgprs(n) for n in (512, 257, 256, 129, 128, 64, 24)] == [
         1, 1, 2, 3, 4, 8, 8]
