@@ -48,8 +48,12 @@ def run(tree: Path, archs: list[Arch], jobs: int = 1
 
 
 def report(results: dict[str, list[Resources]], failures: list[str], markdown: bool) -> str:
+    import triton
+
     everything = [r for rs in results.values() for r in rs]
-    lines = [render(HEADERS, summary_rows(everything), markdown), ""]
+    lines = [f"AMD compile resources of the stack's kernels (Triton {triton.__version__}, "
+             "AMD backend, compiled on CPU; python -m scripts.amd_resources):",
+             render(HEADERS, summary_rows(everything), markdown), ""]
     lines += [f"note: {line}" for line in notes(everything)]
     # The flat path is 0.33.0's: what it breaks is shown, never a failure of the stack.
     for r in everything:

@@ -75,7 +75,7 @@ def summary_rows(results: list[Resources]) -> list[list[str]]:
                    _span(m.scratch for m in members),
                    f"{_span(m.vgpr_spills for m in members)}/"
                    f"{_span(m.sgpr_spills for m in members)}",
-                   _span(m.waves_by_vgprs for m in members),
+                   _span(m.waves_by_registers for m in members),
                    _span(m.waves_per_simd for m in members))
         key = (arch, path, kernel, tile_text, launch, figures)
         seen, count = merged.get(key, (set(), 0))

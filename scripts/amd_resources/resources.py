@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from scripts.amd_resources.kernel_tree import Launch
 from scripts.amd_resources.targets import (
     Arch,
-    waves_by_vgprs,
+    waves_by_registers,
     waves_per_simd,
     workgroups_per_cu,
 )
@@ -48,7 +48,8 @@ class Resources:
     scratch: int = 0  # bytes of private segment a lane
     sgpr_spills: int = 0
     vgpr_spills: int = 0
-    waves_by_vgprs: int = 0  # per SIMD, 512 // allocated VGPRs, at most 8
+    # per SIMD: 512 // allocated VGPRs and 800 // SGPRs, at most 8 (LLVM's occupancy)
+    waves_by_registers: int = 0
     workgroups_per_cu: int = 0
     waves_per_simd: int = 0  # registers and LDS counted
     llvm_occupancy: int = 0  # the assembler's "; Occupancy:" comment
@@ -149,10 +150,10 @@ def read_compiled(result: Resources, compiled, arch: Arch) -> None:
                                  _field(asm, r"\.amdhsa_next_free_vgpr\s+(\d+)"))
     result.llvm_occupancy = _field(asm, r"; Occupancy:\s+(\d+)")
     num_warps = result.options["num_warps"]
-    result.waves_by_vgprs = waves_by_vgprs(result.allocated_vgprs)
-    result.workgroups_per_cu = workgroups_per_cu(arch, result.allocated_vgprs, result.lds,
+    result.waves_by_registers = waves_by_registers(result.allocated_vgprs, result.sgprs)
+    result.workgroups_per_cu = workgroups_per_cu(arch, result.waves_by_registers, result.lds,
                                                  num_warps)
-    result.waves_per_simd = waves_per_simd(arch, result.allocated_vgprs, result.lds,
+    result.waves_per_simd = waves_per_simd(arch, result.waves_by_registers, result.lds,
                                            num_warps)
 
 

@@ -189,7 +189,7 @@ def row(tile: Tile, result: Resources, arch: Arch) -> list[str]:
         return [tile.label(), *["-"] * 9, passes, verdict(result, arch)[:70]]
     return [tile.label(), f"{result.lds / 1024:g}", str(result.vgprs), str(result.agprs),
             str(result.allocated_vgprs), str(result.scratch),
-            f"{result.vgpr_spills}/{result.sgpr_spills}", str(result.waves_by_vgprs),
+            f"{result.vgpr_spills}/{result.sgpr_spills}", str(result.waves_by_registers),
             str(result.workgroups_per_cu), str(result.waves_per_simd), passes,
             verdict(result, arch)]
 

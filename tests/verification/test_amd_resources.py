@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from scripts.amd_resources.resources import Resources
-from scripts.amd_resources.targets import arch_named, waves_by_vgprs, waves_per_simd
+from scripts.amd_resources.targets import arch_named, waves_by_registers, waves_per_simd
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("gfx942", "gfx950")
@@ -59,6 +59,9 @@ def test_every_stack_kernel_fits_mi300_and_mi355(tmp_path, record_property):
         stage1 = [v for v in variants if v["kernel"] == STAGE1]
         served = {tuple(sorted(shape.items())) for v in stage1 for shape in v["shapes"]}
         assert len(served) == PRODUCTION_SHAPES
+        # Registers give the waves LLVM computes for the kernel.
+        assert [v["waves_by_registers"] for v in variants] == [
+            v["llvm_occupancy"] for v in variants]
         # The launch options are the wrapper's: ROCm's, not the defaults.
         assert all(v["options"]["waves_per_eu"] and v["options"]["matrix_instr_nonkdim"]
                    for v in stage1)
@@ -121,12 +124,14 @@ def test_limits_are_each_gpus():
     assert Resources("k", "", [{}], options={"num_warps": 8},
                      allocated_vgprs=264).violations(mi355) == [
         "no workgroup of 8 waves fits a CU (264 VGPRs a lane)"]
-    # 512 VGPRs a SIMD lane in granules of 8, at most 8 waves.
-    assert [waves_by_vgprs(n) for n in (512, 257, 256, 129, 128, 64, 24)] == [
+    # 512 VGPRs a SIMD lane in granules of 8, 800 SGPRs in granules of 16, at
+    # most 8 waves.
+    assert [waves_by_registers(n) for n in (512, 257, 256, 129, 128, 64, 24)] == [
         1, 1, 2, 3, 4, 8, 8]
+    assert waves_by_registers(24, sgprs=104) == 7
     # An 8-wave workgroup needs 2 waves' registers on each of the 4 SIMDs.
-    assert waves_per_simd(mi300, 257, 16 * 1024, 8) == 0
-    assert waves_per_simd(mi300, 256, 16 * 1024, 8) == 2
+    assert waves_per_simd(mi300, 1, 16 * 1024, 8) == 0
+    assert waves_per_simd(mi300, 2, 16 * 1024, 8) == 2
     # 32 KiB workgroups: two fit an MI300 CU's LDS, five an MI355's.
-    assert waves_per_simd(mi300, 128, 32 * 1024, 4) == 2
-    assert waves_per_simd(mi355, 128, 32 * 1024, 4) == 4
+    assert waves_per_simd(mi300, 4, 32 * 1024, 4) == 2
+    assert waves_per_simd(mi355, 4, 32 * 1024, 4) == 4
