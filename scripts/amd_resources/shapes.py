@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+import triton
 
 from scripts.amd_resources.kernel_tree import Launch, record_launches
 from scripts.amd_resources.targets import Arch
@@ -77,8 +78,6 @@ def flat_split_count(tree: Path) -> Callable[[int, int], int]:
                  and all(isinstance(t, ast.Name) and t.id in wanted for t in node.targets)]
     if not body:
         raise LookupError(f"{path}: no _compute_num_kv_splits (forward_mqa's split count)")
-    import triton
-
     namespace = {"triton": triton}
     exec(compile(ast.Module(constants + body, type_ignores=[]), str(path), "exec"), namespace)
     return namespace["_compute_num_kv_splits"]
@@ -102,6 +101,8 @@ def attention_launches(load, tree: Path, arch: Arch, shapes: Iterable[dict] | No
 
 
 def _forward_mqa(ops, path: str, shape: dict, flat_splits: int, arch: Arch) -> None:
+    """The attention call of TritonMLAImpl.forward_mqa (backends/mla/triton_mla.py)
+    on one of its two paths, for a captured batch at `shape`."""
     reqs, query_len, heads, page = (CAPTURE_REQUESTS, shape["query_len"], shape["heads"],
                                     shape["page"])
     rows, width = reqs * query_len, KV_LORA_RANK + ROPE_DIM
@@ -115,7 +116,7 @@ def _forward_mqa(ops, path: str, shape: dict, flat_splits: int, arch: Arch) -> N
     block_table = _meta(reqs, MAX_MODEL_LEN // page, dtype=torch.int32)
     seq_lens = _meta(reqs, dtype=torch.int32)
     kv_scale = _meta((), dtype=torch.float32)
-    sm_scale = width ** -0.5
+    sm_scale = width ** -0.5  # a float argument: the JIT never specializes on it
     if path == "block":
         splits = ops.mla_block_decode_num_kv_splits(q, cache, reqs, MAX_MODEL_LEN,
                                                     arch.compute_units, flat_splits)
