@@ -30,7 +30,8 @@ def production_resources(tree: Path, arch: Arch, jobs: int = 1) -> list[Resource
 def failures_of(results: list[Resources], arch: Arch) -> list[str]:
     """One line per variant of the stack's kernels that breaks a limit of `arch`."""
     return [f"{arch.name} {kernel_name(r)} {describe_shape(r.shapes[0])}: "
-            + "; ".join(r.violations(arch)) for r in results if is_checked(r) and r.violations(arch)]
+            + "; ".join(problems) for r in results if is_checked(r)
+            for problems in [r.violations(arch)] if problems]
 
 
 def describe_shape(shape: dict) -> str:
