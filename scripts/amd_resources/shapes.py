@@ -122,7 +122,7 @@ def _forward_mqa(ops, path: str, shape: dict, flat_splits: int, arch: Arch) -> N
                                                     arch.compute_units, flat_splits)
         logits = _meta(rows, heads, splits, KV_LORA_RANK + 1, dtype=torch.float32)
         ops.decode_attention_fwd_mla_block(q, kv, o, lse, block_table, seq_lens, logits,
-                                           sm_scale, page, kv_scale)
+                                           sm_scale, page, kv_scale, arch.compute_units)
         return
     logits = _meta(rows, heads, flat_splits, KV_LORA_RANK + 1, dtype=torch.float32)
     ops.decode_attention_fwd(

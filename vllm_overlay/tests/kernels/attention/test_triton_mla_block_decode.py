@@ -120,7 +120,9 @@ def _flattened_decode(
     q, kv_cache = x["q"], x["kv_cache"].unsqueeze(2)
     o = q.new_zeros(*q.shape[:2], case.kv_lora_rank)
     lse = q.new_zeros(q.shape[:2])
-    logits = torch.empty(*q.shape[:2], num_kv_splits, case.kv_lora_rank + 1, device="cuda")
+    logits = torch.empty(
+        *q.shape[:2], num_kv_splits, case.kv_lora_rank + 1, device="cuda"
+    )
     ops.decode_attention_fwd(
         q,
         kv_cache,

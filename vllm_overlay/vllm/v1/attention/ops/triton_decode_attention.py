@@ -847,6 +847,8 @@ class _MLABlockTile:
     # Programs of this tile that run at once on an SM (registers, shared
     # memory), for sizing the splits.
     programs_per_sm: int = 1
+    # ROCm compiler options (see _mla_block_launch_options).
+    waves_per_eu: int = 0
 
 
 # Tiles measured best on an H200 (512 + 64 latent, pages of 64), by query rows
@@ -868,10 +870,28 @@ _LARGE_SMEM_BYTES = 216 * 1024
 # tokens, 70-74 KiB as compiled for an H200 (2 x 36 KiB of KV stages; the
 # query tile passes through shared memory once).
 _MLA_BLOCK_TILE_SMALL_SMEM = _MLABlockTile(32, 32, 4, 2, reload_fp8_v=True)
-# ROCm (CDNA3: 64 KiB of LDS), one stage like the grouped kernel: the MFMA
-# operands pass through LDS, 36 KiB of query once and 18 KiB of KV a tile.
-_MLA_BLOCK_TILE_ROCM = _MLABlockTile(32, 16, 4, 1)
+# ROCm, by architecture and KV dtype (fp8?): 16 KV tokens a tile, one stage
+# where 64 KiB of LDS (CDNA3) allow no more. Chosen by compiling for each
+# architecture (Triton 3.8): LDS, VGPRs and spills, and the waves per SIMD they
+# leave; how fast they run is measured on the hardware, not here. bf16: 64
+# rows in 8 warps, ~210 VGPRs and 64 KiB, two waves per SIMD, the KV read
+# once per 64 rows. fp8 on gfx942: 32 rows in 4 warps (8 warps spill there),
+# 32 KiB, one wave. fp8 on gfx950: 32 rows in 8 warps and two stages, ~210
+# VGPRs, two waves (64 rows reach 254 of 256 VGPRs).
+_MLA_BLOCK_TILES_ROCM = {
+    "gfx942": {
+        False: _MLABlockTile(64, 16, 8, 1),
+        True: _MLABlockTile(32, 16, 4, 1, waves_per_eu=1),
+    },
+    "gfx950": {
+        False: _MLABlockTile(64, 16, 8, 1),
+        True: _MLABlockTile(32, 16, 8, 2),
+    },
+}
 
+# Partial outputs a stage-2 program merges at once: 16K measured on an H200;
+# 4K on ROCm, where larger tiles spill scalar registers (compiled for gfx942).
+_MLA_BLOCK_MERGE_TILE = 4096 if is_hip_ else 16384
 # A split reads at least this many KV tokens: loading its query tile and
 # writing its partial output cost about as much as reading that much KV.
 _MLA_BLOCK_MIN_SPLIT_TOKENS = 128
@@ -883,13 +903,31 @@ def _max_shared_memory(device_index: int) -> int:
     return driver.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
+@functools.cache
+def _rocm_tiles() -> dict[bool, _MLABlockTile]:
+    """This GPU's row of _MLA_BLOCK_TILES_ROCM (gfx942's for other archs)."""
+    arch = triton.runtime.driver.active.get_current_target().arch
+    return _MLA_BLOCK_TILES_ROCM.get(arch, _MLA_BLOCK_TILES_ROCM["gfx942"])
+
+
+def _mla_block_launch_options(tile: _MLABlockTile) -> dict:
+    """Compiler options of a tile: on ROCm, 16x16 MFMAs, and the waves per EU
+    the tile asks for (0: as many as its registers allow)."""
+    if not is_hip_:
+        return {}
+    options = {"matrix_instr_nonkdim": 16, "waves_per_eu": tile.waves_per_eu}
+    if triton.runtime.driver.active.get_current_target().arch != "gfx950":
+        options["kpack"] = 2  # gfx950 takes only 1, its default
+    return options
+
+
 def _mla_block_tile(
     rows: int, kv_dtype: torch.dtype, device: torch.device
 ) -> _MLABlockTile:
     """The tile for a request's `rows` query rows (query_len x num_heads)."""
     rows_per_tile = min(64, max(16, next_power_of_2(rows)))
     if is_hip_:
-        tile = _MLA_BLOCK_TILE_ROCM
+        tile = _rocm_tiles()[kv_dtype.itemsize == 1]
     elif device.type == "cuda" and (
         _max_shared_memory(device.index) >= _LARGE_SMEM_BYTES
     ):
@@ -1246,9 +1284,6 @@ def decode_attention_fwd_mla_block(
         BLOCK_REQS=triton.next_power_of_2(num_reqs),
     )
 
-    extra_kargs = {}
-    if is_hip_:
-        extra_kargs = {"waves_per_eu": 1, "matrix_instr_nonkdim": 16, "kpack": 2}
     # Programs per row tile: room for the most busy programs that
     # _mla_block_splits gives, from the batch size alone (graph-safe).
     grid_items = 2 * num_reqs + triton.cdiv(slots, num_row_tiles)
@@ -1283,12 +1318,15 @@ def decode_attention_fwd_mla_block(
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **splits,
-        **extra_kargs,
+        **_mla_block_launch_options(tile),
     )
-    # Stage 2 merges each row's splits, in tiles of at most 16K partial outputs:
-    # many splits (a few requests) take narrow column tiles.
+    # Stage 2 merges each row's splits, in tiles of at most
+    # _MLA_BLOCK_MERGE_TILE partial outputs: many splits (a few requests)
+    # take narrow column tiles.
     block_splits = triton.next_power_of_2(num_kv_splits)
-    block_dv = min(triton.next_power_of_2(Lv), max(16, 16384 // block_splits))
+    block_dv = min(
+        triton.next_power_of_2(Lv), max(16, _MLA_BLOCK_MERGE_TILE // block_splits)
+    )
     _fwd_mla_block_kernel_stage2[(num_reqs * rows, triton.cdiv(Lv, block_dv))](
         mid,
         o_rows,
