@@ -297,15 +297,37 @@ def roofline(shape: dict) -> tuple[int, int]:
 # --- standalone run -----------------------------------------------------------
 
 HERE = Path(__file__).resolve().parent
-# Named variants of the patched kernel for --sweep: statements run in a fresh
-# copy of the patched module (its tile table, split sizing).
-SWEEP_VARIANTS = (
-    "waves1:_MLA_BLOCK_WAVES = 1",
-    "waves4:_MLA_BLOCK_WAVES = 4",
-    "min128:_MLA_BLOCK_MIN_SPLIT_TOKENS = 128",
-    "min512:_MLA_BLOCK_MIN_SPLIT_TOKENS = 512",
-)
-SWEEP_SHAPES = ("q5 h8 ", "q7 h64", "q6 h16")
+# Candidate tiles for --sweep, by KV dtype (fp8?): _MLABlockTile arguments.
+# ROCm: the tiles that compile for gfx942 and gfx950 without spills within the
+# LDS (python -m scripts.amd_resources --sweep); NVIDIA: the 64-row entries.
+if torch.version.hip:
+    SWEEP_TABLE = "for row in _MLA_BLOCK_TILES_ROCM.values(): row[{fp8}] = {tile}"
+    SWEEP_TILES = {
+        False: ("64, 16, 8, 1", "64, 16, 8, 2", "32, 16, 8, 2",
+                "32, 16, 4, 1, waves_per_eu=1"),
+        True: ("32, 16, 4, 1, waves_per_eu=1", "32, 16, 8, 2", "64, 16, 4, 2",
+               "64, 16, 8, 2"),
+    }
+else:
+    SWEEP_TABLE = "_MLA_BLOCK_TILES_LARGE_SMEM[(64, {fp8})] = {tile}"
+    SWEEP_TILES = {
+        False: ("64, 64, 8, 2", "64, 32, 8, 3", "64, 64, 8, 1"),
+        True: ("64, 128, 8, 1", "64, 64, 8, 2, reload_fp8_v=True", "64, 64, 8, 1"),
+    }
+
+
+def sweep_variants() -> list[str]:
+    """NAME:STATEMENT per candidate tile; NAME is '<kv>-t<index>'."""
+    return [
+        f"{'fp8' if fp8 else 'bf16'}-t{i}:"
+        + SWEEP_TABLE.format(fp8=fp8, tile=f"_MLABlockTile({tile})")
+        for fp8, tiles in SWEEP_TILES.items()
+        for i, tile in enumerate(tiles)
+    ]
+
+
+SWEEP_SHAPES = ("16 x 32k&q5 h8 ", "16 ragged&q5 h8 ", "1 x 32k&q5 h8 ",
+                "16 x 32k&q6 h16", "16 x 32k&q7 h64")
 
 
 def load_tree(label: str):
@@ -507,6 +529,30 @@ def check_ragged(flat, new) -> bool:
     return bad == 0
 
 
+def calls_for(shape: dict, calls: dict) -> dict:
+    """The calls that differ on this shape: a sweep variant '<kv>-t<i>' only
+    changes the tile of that KV dtype."""
+    return {name: call for name, call in calls.items()
+            if "-t" not in name or name.startswith(shape["kv_dtype"] + "-")}
+
+
+def best_tiles(medians: dict) -> dict[str, tuple[str, float, float]]:
+    """Per KV dtype: (best candidate tile, its geometric mean ms, the shipped
+    tile's), over the sweep shapes of that dtype."""
+    def geomean(name: str, names: list[str]) -> float:
+        return math.prod(medians[n][name] for n in names) ** (1 / len(names))
+
+    best = {}
+    for fp8, tiles in SWEEP_TILES.items():
+        kv = "fp8" if fp8 else "bf16"
+        names = [n for n, m in medians.items() if f"{kv}-t0" in m]
+        if names:
+            scores = {tile: geomean(f"{kv}-t{i}", names) for i, tile in enumerate(tiles)}
+            tile = min(scores, key=scores.get)
+            best[kv] = (tile, scores[tile], geomean("patched", names))
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--regime", choices=("production", "per-step"),
@@ -519,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="NAME:STATEMENT, a copy of the patched kernel module "
                         "with the statement run in it (repeatable)")
     parser.add_argument("--sweep", action="store_true",
-                        help="the variants of SWEEP_VARIANTS on SWEEP_SHAPES")
+                        help="the candidate tiles (SWEEP_TILES) on SWEEP_SHAPES, "
+                        "and the best per KV dtype")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
 
@@ -528,9 +575,11 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()
     peak = matmul_peak()
+    device = torch.device("cuda")
+    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
     print(
-        f"{torch.cuda.get_device_name()}; torch {torch.__version__}, Triton "
-        f"{triton.__version__}; {num_sms(torch.device('cuda'))} SMs"
+        f"{torch.cuda.get_device_name()} {arch.split(':')[0]}; torch "
+        f"{torch.__version__}, Triton {triton.__version__}; {num_sms(device)} SMs"
     )
     print(
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write of a 4 GiB "
@@ -543,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     calls = {"pristine": pristine, "patched": patched}
     # Other trees of the package (gpubench --rev LABEL=REV), by label.
     calls.update((label, bind(load_tree(label))) for label in other_trees())
-    specs = list(args.variant) + (list(SWEEP_VARIANTS) if args.sweep else [])
+    specs = list(args.variant) + (sweep_variants() if args.sweep else [])
     calls.update(variant("patched", spec) for spec in specs)
     shapes = PRODUCTION_SHAPES if args.regime == "production" else PER_STEP_SHAPES
     wanted = args.shape or (SWEEP_SHAPES if args.sweep else None)
@@ -556,13 +605,14 @@ def main(argv: list[str] | None = None) -> int:
           "% of bound]  bound ms  check (vs flat, max |diff|)", flush=True)
     medians: dict = {}
     for shape in shapes:
-        print(run_shape(shape, calls, bandwidth, peak, args.repeats, medians),
-              flush=True)
-    if len(calls) > 2:
-        print("geometric mean ms over the shapes, per call:")
-        for name in calls:
-            times = [m[name] for m in medians.values() if name in m]
-            print(f"  {name:>10}: {math.prod(times) ** (1 / len(times)):.4f}")
+        line = run_shape(shape, calls_for(shape, calls), bandwidth, peak,
+                         args.repeats, medians)
+        print(line, flush=True)
+    if args.sweep:
+        for kv, (tile, best, shipped) in best_tiles(medians).items():
+            # One line per KV dtype, read by the hardware runbook's report.
+            print(f"best tile {arch.split(':')[0] or 'cuda'} {kv}: _MLABlockTile({tile}) "
+                  f"{best:.4f} ms (geometric mean; shipped tile {shipped:.4f} ms)")
     for name, call in calls.items():
         if name != "pristine":
             for line in kernel_resources(call.ops):
