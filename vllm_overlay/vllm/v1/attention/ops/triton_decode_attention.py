@@ -1006,6 +1006,7 @@ def _mla_block_split_len(seq_len, num_splits, SPLIT_ALIGN: tl.constexpr):
 @triton.jit
 def _fwd_mla_block_kernel_stage1(
     Q,
+    Q_PE,
     KV_Buffer,
     sm_scale_log2,
     Block_Table,
@@ -1018,6 +1019,8 @@ def _fwd_mla_block_kernel_stage1(
     stride_block_table,
     stride_q_token,
     stride_q_head,
+    stride_qpe_token,
+    stride_qpe_head,
     stride_kv_page,
     stride_kv_token,
     stride_mid_req,
@@ -1064,9 +1067,9 @@ def _fwd_mla_block_kernel_stage1(
         # Row m of the request is draft token m // NUM_HEADS, head m % NUM_HEADS.
         offs_m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < query_len * NUM_HEADS
-        offs_q = (req * query_len + offs_m // NUM_HEADS) * stride_q_token + (
-            offs_m % NUM_HEADS
-        ) * stride_q_head
+        token = req * query_len + offs_m // NUM_HEADS
+        head = offs_m % NUM_HEADS
+        offs_q = token * stride_q_token + head * stride_q_head
         offs_dv = tl.arange(0, BLOCK_DV)
         mask_dv = offs_dv < Lv
         q = tl.load(
@@ -1077,8 +1080,9 @@ def _fwd_mla_block_kernel_stage1(
         if BLOCK_DPE > 0:
             offs_dpe = Lv + tl.arange(0, BLOCK_DPE)
             mask_dpe = offs_dpe < Lk
+            offs_qpe = token * stride_qpe_token + head * stride_qpe_head
             q_pe = tl.load(
-                Q + offs_q[:, None] + offs_dpe[None, :],
+                Q_PE + offs_qpe[:, None] + (offs_dpe - Lv)[None, :],
                 mask=mask_m[:, None] & mask_dpe[None, :],
                 other=0.0,
             )
@@ -1232,7 +1236,7 @@ def _fwd_mla_block_kernel_stage2(
 
 
 def decode_attention_fwd_mla_block(
-    q: torch.Tensor,
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     kv_buffer: torch.Tensor,
     o: torch.Tensor,
     lse: torch.Tensor,
@@ -1251,7 +1255,9 @@ def decode_attention_fwd_mla_block(
     length), up to floating-point reordering, but reads the KV once per tile
     of a request's rows instead of once per row and per 16 heads.
 
-    q: [num_reqs * query_len, num_heads, Lk], a request's tokens adjacent.
+    q: [num_reqs * query_len, num_heads, Lk], a request's tokens adjacent, or
+        its two parts ([..., Lv] latent, [..., Lk - Lv] rope), as MLAAttention
+        hands them over (read in place: no concatenation).
     kv_buffer: the latent cache, [num_pages, page_size, 1, Lk]; the first Lv
         columns are the latent (K and V), the rest the rope part of K.
     o, lse: contiguous [num_reqs * query_len, num_heads(, Lv)] outputs.
@@ -1263,13 +1269,15 @@ def decode_attention_fwd_mla_block(
     num_sms: the GPU's SMs (CUs on ROCm), which the splits are sized to fill.
     """
     num_reqs = seq_lens.shape[0]
-    num_tokens, num_heads, Lk = q.shape
     Lv = o.shape[-1]
+    q_nope, q_pe = q if isinstance(q, tuple) else (q[..., :Lv], q[..., Lv:])
+    num_tokens, num_heads, _ = q_nope.shape
+    Lk = Lv + q_pe.shape[-1]
     query_len = num_tokens // num_reqs
     rows = query_len * num_heads
     assert num_tokens == num_reqs * query_len
 
-    tile = _mla_block_tile(rows, kv_buffer.dtype, q.device)
+    tile = _mla_block_tile(rows, kv_buffer.dtype, q_nope.device)
     num_row_tiles = triton.cdiv(rows, tile.block_m)
     num_kv_splits = attn_logits.shape[2]
     # Programs of this tile that run at once on the GPU.
@@ -1288,7 +1296,8 @@ def decode_attention_fwd_mla_block(
     # _mla_block_splits gives, from the batch size alone (graph-safe).
     grid_items = 2 * num_reqs + triton.cdiv(slots, num_row_tiles)
     _fwd_mla_block_kernel_stage1[(num_row_tiles, grid_items)](
-        q,
+        q_nope,
+        q_pe,
         kv_buffer,
         sm_scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         block_table,
@@ -1299,8 +1308,10 @@ def decode_attention_fwd_mla_block(
         num_reqs,
         slots,
         block_table.stride(0),
-        q.stride(0),
-        q.stride(1),
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
         _page_stride(kv_buffer, page_size),
         kv_buffer.stride(-3),
         mid.stride(0),
