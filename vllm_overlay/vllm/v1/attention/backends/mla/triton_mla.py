@@ -270,7 +270,7 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
         # MLAAttention may hand over [ql_nope | q_pe] as two tensors: the block
         # kernel reads them in place, the flattened path concatenates them.
         q_parts = q
-        q_nope = q[0] if type(q) is tuple else q
+        q_nope = q[0] if isinstance(q, tuple) else q
         B = q_nope.shape[0]
         q_num_heads = q_nope.shape[1]
         dtype, device = q_nope.dtype, q_nope.device
@@ -347,7 +347,7 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 self._sm_count,
             )
             return o, lse
-        if type(q) is tuple:
+        if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         if query_len > 1:
             block_table = block_table.repeat_interleave(query_len, dim=0)
