@@ -69,18 +69,23 @@ def _stack_problems(layout: Layout, pin: Pin, patches: list[Patch]) -> list[str]
     check-base holds too); a damaged check-base, only the tooling's copy, is
     made again.
     """
-    repo = _base_repo(layout, pin)
-    try:
-        return _applied_problems(layout, repo, pin, patches)
-    except DamagedRepo as e:
-        if repo == layout.tree:
-            warn(f"{e} (`make check` reads the release from "
-                 f"{rel(layout.build_dir / 'check-base', layout)} instead)")
-        else:
-            warn(f"{rel(repo, layout)}, the check's copy of the release, is damaged; "
-                 "making it again")
-            discard(repo)
-    return _applied_problems(layout, _base_repo(layout, pin, skip_tree=True), pin, patches)
+    skip_tree, remade = False, False
+    while True:
+        repo = _base_repo(layout, pin, skip_tree)
+        try:
+            return _applied_problems(layout, repo, pin, patches)
+        except DamagedRepo as e:
+            if repo == layout.tree:
+                warn(f"{e} (`make check` reads the release from "
+                     f"{rel(layout.build_dir / 'check-base', layout)} instead)")
+                skip_tree = True
+            elif not remade:
+                warn(f"{rel(repo, layout)}, the check's copy of the release, is damaged; "
+                     "making it again")
+                discard(repo)
+                remade = True
+            else:
+                raise
 
 
 def _applied_problems(layout: Layout, repo: Path, pin: Pin, patches: list[Patch]) -> list[str]:

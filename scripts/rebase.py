@@ -31,7 +31,7 @@ from scripts.gitrepo import (
     write_state,
 )
 from scripts.pin import Artifact, Pin, check_version, load_pin, render_pin
-from scripts.series import read_series
+from scripts.series import read_series, touched_paths
 
 _AM_3WAY = [*stack.AM, "--3way"]
 # A new release's files may be at most this many times the size of the pinned
@@ -157,6 +157,11 @@ def _undo_killed_am(layout: Layout, progress: dict) -> None:
     removed = remove_stale_git_locks(tree)
     if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
         git(tree, "am", "--quit")  # killed before its state was complete
+    # The killed am may have created some of the patch's files: remove them if
+    # untracked (only those: other untracked files may be the user's).
+    name = progress["patches"][progress["next"]]
+    if paths := touched_paths(name, (layout.patches_dir / name).read_bytes()):
+        git(tree, "clean", "-q", "-f", "--", *paths, env={"GIT_LITERAL_PATHSPECS": "1"})
     progress["am_running"] = False
     write_state(tree, rebase=progress)
     say(f"  the last `make rebase` was killed while applying "

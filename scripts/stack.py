@@ -108,6 +108,7 @@ def recover_interrupted_apply(layout: Layout) -> None:
         say(f"{where}: the last `make apply` was killed half-way; reset to {base}, from "
             "where the series is applied again")
     git(tree, "checkout", "-q", "-f", "-B", BRANCH, base)
+    git(tree, "clean", "-q", "-f", "-d")  # files a killed git created; never ignored ones
 
 
 def uncommitted_advice(where: str) -> str:
