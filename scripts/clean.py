@@ -40,7 +40,11 @@ from scripts.gitrepo import (
 from scripts.prefixes import worktree_path
 from scripts.stack import recover_interrupted_apply, render_commit
 
-_GENERATED = ("check-base", "drift-base", "prefix-tree", "test-results")
+# What the tooling makes in build/ and can make again (build/vllm aside).
+_GENERATED = ("check-base", "drift-base", "prefix-tree", "test-results", "export", "gpubench",
+              "wheel-site", "rocm-source-context")
+# Results only the hardware can make again: kept, and said so.
+_RUNBOOK_RESULTS = "runbook-"
 _SHOWN = 10  # items of one kind listed before "... and N more"
 
 
@@ -72,6 +76,9 @@ def clean(layout: Layout, force: bool = False) -> None:
         for path in sorted(layout.build_dir.iterdir()):
             if path.name in _GENERATED or path.name.startswith(SCRATCH_PREFIXES):
                 _remove(layout, path)
+            elif path.name.startswith(_RUNBOOK_RESULTS) and path.is_dir():
+                warn(f"kept {rel(path, layout)}: hardware runbook results, which only the "
+                     "hardware can make again; delete it yourself when they are saved")
             else:
                 warn(f"left {rel(path, layout)} alone: not made by this tooling")
         if not any(layout.build_dir.iterdir()):

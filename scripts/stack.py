@@ -104,7 +104,8 @@ def recover_interrupted_apply(layout: Layout) -> None:
     if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
         git(tree, "am", "--quit")  # killed before its state was complete
     base = state["base_tag"]
-    if dirty_files(tree) or head(tree) != git(tree, "rev-parse", f"{base}^{{commit}}").stdout.strip():
+    at_base = git(tree, "rev-parse", f"{base}^{{commit}}").stdout.strip() == head(tree)
+    if dirty_files(tree) or not at_base:
         say(f"{where}: the last `make apply` was killed half-way; reset to {base}, from "
             "where the series is applied again")
     git(tree, "checkout", "-q", "-f", "-B", BRANCH, base)
@@ -283,11 +284,12 @@ def _file_sha256(path: Path) -> str | None:
 
 
 def patches_snapshot(layout: Layout) -> dict[str, str]:
-    """sha256 of the series file and of each patch file in patches/, as build/vllm
-    has them now (after apply or export): what a later `make patches` may
-    overwrite without losing anything."""
-    files = sorted(layout.patches_dir.glob("*.patch")) + [layout.series_file]
-    found = {SERIES if p == layout.series_file else p.name: _file_sha256(p) for p in files}
+    """sha256 of the series file and of each patch file it lists, as build/vllm
+    holds them now (after apply or export): what a later `make patches` may
+    overwrite without losing anything. (A patch file the series does not list
+    is no part of it: someone's, kept.)"""
+    found = {name: _file_sha256(layout.patches_dir / name) for name in series_names(layout)}
+    found[SERIES] = _file_sha256(layout.series_file)
     return {name: digest for name, digest in found.items() if digest}
 
 

@@ -356,6 +356,12 @@ def test_a_terminated_export_leaves_nothing_behind(series, tmp_path):
     assert [p.name for p in build.iterdir() if p.name.startswith(".")] == []
     assert list(scratch.iterdir()) == []
     assert not (series.root / ".k3-stack.running").exists()
+    # What a SIGKILL leaves (it runs no cleanup), and a finished export, are the
+    # tooling's own to `make clean`.
+    (build / ".export-old-4242").mkdir()
+    (build / "export").mkdir()
+    result = series.ok("clean")
+    assert "alone" not in result.stderr and not build.exists()
 
 
 def test_a_commit_whose_author_is_not_utf8_is_named(series):
