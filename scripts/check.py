@@ -16,7 +16,6 @@ from pathlib import Path
 
 from scripts import overlay
 from scripts.common import Layout, StackError, discard, rel, say, warn
-from scripts.fetch import ensure_artifact
 from scripts.gitrepo import DamagedRepo, create_base, is_stack_repo, read_state
 from scripts.pin import Pin, load_pin
 from scripts.series import (
@@ -102,6 +101,8 @@ def _base_repo(layout: Layout, pin: Pin, skip_tree: bool = False) -> Path:
     for repo in candidates:
         if is_stack_repo(repo) and read_state(repo).get("base_sdist_sha256") == pin.sdist.sha256:
             return repo
+    from scripts.fetch import ensure_artifact  # network code only when needed
+
     repo = layout.build_dir / "check-base"
     sdist = ensure_artifact(layout, pin.project, pin.sdist)
     create_base(layout, pin, sdist, dest=repo)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import email
-import email.policy
 import hashlib
 import os
 import re
@@ -246,6 +244,7 @@ class Header:
 
 
 def parse_header(patch: Patch) -> Header:
+    import email.policy  # only `make check` and the export read headers; it is slow to load
     text = patch.read().decode("utf-8", "replace")
     # The message ends at the diffstat separator or, without a stat, at the diff.
     message_part = re.split(r"^(?:---$|diff --git )", text, maxsplit=1, flags=re.M)[0]

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from scripts import overlay
 from scripts.common import Layout, StackError, rel, say, shown, warn, write_atomically
-from scripts.fetch import ensure_artifact
 from scripts.gitrepo import (
     BRANCH,
     TOOL_IDENTITY,
@@ -187,11 +186,19 @@ def apply(layout: Layout) -> None:
             _finish(layout, pin, patches)
             return
     else:
-        sdist = ensure_artifact(layout, pin.project, pin.sdist)
+        sdist = _sdist(layout, pin)
         create_base(layout, pin, sdist)
     _refuse_special_files(layout, pin, patches)
     _apply_series(layout, pin, patches)
     _finish(layout, pin, patches)
+
+
+def _sdist(layout: Layout, pin: Pin) -> Path:
+    # Imported here: most runs need no network code (urllib, http), which would
+    # make every command start slower.
+    from scripts.fetch import ensure_artifact
+
+    return ensure_artifact(layout, pin.project, pin.sdist)
 
 
 def _follow_base_tag(layout: Layout, pin: Pin) -> None:
@@ -212,7 +219,7 @@ def _import_base(layout: Layout, pin: Pin) -> None:
     tree = layout.tree
     say(f"{rel(tree, layout)} holds another vLLM release; rebuilding it for {pin.version} "
         "(its branches, stashes and history stay)")
-    sdist = ensure_artifact(layout, pin.project, pin.sdist)
+    sdist = _sdist(layout, pin)
     commit = import_release(layout, pin, sdist, parent=None)
     write_state(tree, base_sdist_sha256=pin.sdist.sha256, base_tag=pin.base_tag,
                 base_commit=commit, status="base")

@@ -10,6 +10,7 @@ the temporary places.
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import hashlib
 import http.server
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import zipfile
@@ -33,6 +35,8 @@ from scripts.pin import Artifact, Pin, render_pin
 
 REPO = Path(__file__).resolve().parents[2]  # /work/main: where `python3 -m scripts` runs
 FAULT_DIR = Path(__file__).resolve().parent / "fault"
+PYCACHE = Path(tempfile.mkdtemp(prefix="k3-tooling-pycache-"))
+atexit.register(shutil.rmtree, PYCACHE, ignore_errors=True)
 PYTHON = sys.executable  # not a pyenv shim: each call costs less
 V1, V2 = "0.1.0", "0.2.0"
 AUTHOR_NAME, AUTHOR_EMAIL = "Dev One", "dev@example.com"
@@ -380,10 +384,12 @@ class Project:
         # say `make[1]:` where the user's top-level make says `make:`.
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PIP_", "GIT_", "K3_"))
-               and k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+               and k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "PYTHONDONTWRITEBYTECODE")}
         env.update({
             "PYTHONPATH": str(REPO),
-            "PYTHONDONTWRITEBYTECODE": "1",
+            # Bytecode of scripts/ compiled once per session, kept out of the
+            # repository: each command would otherwise compile it again.
+            "PYTHONPYCACHEPREFIX": str(PYCACHE),
             "K3_PROJECT_ROOT": str(self.root),
             "PIP_INDEX_URL": self.index_url,
             # Isolate from the machine's git configuration: no identity, no hooks.
