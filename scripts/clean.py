@@ -42,7 +42,7 @@ from scripts.stack import recover_interrupted_apply, render_commit
 
 # What the tooling makes in build/ and can make again (build/vllm aside).
 _GENERATED = ("check-base", "drift-base", "prefix-tree", "test-results", "export", "gpubench",
-              "wheel-site", "rocm-source-context")
+              "wheel-site", "rocm-source-context", "amd-resources")
 # Results only the hardware can make again: kept, and said so.
 _RUNBOOK_RESULTS = "runbook-"
 _SHOWN = 10  # items of one kind listed before "... and N more"
