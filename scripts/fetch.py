@@ -115,23 +115,26 @@ def _request(url: str, credentials: dict[str, str], **headers: str) -> urllib.re
     index URL) go in an Authorization header, as pip sends them."""
     parts = urllib.parse.urlsplit(url)
     host = parts.netloc.rpartition("@")[2]
-    if parts.username is not None:
-        user = urllib.parse.unquote(parts.username)
-        credentials = {**credentials, host: f"{user}:{urllib.parse.unquote(parts.password or '')}"}
-        url = urllib.parse.urlunsplit(parts._replace(netloc=host))
-    request = urllib.request.Request(url, headers=headers)
+    credentials = {**credentials, **_credentials(url)}
+    request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=host)),
+                                     headers=headers)
     if host in credentials and parts.scheme in ("http", "https"):
         token = base64.b64encode(credentials[host].encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
     return request
 
 
-def _credentials(index: str) -> dict[str, str]:
-    parts = urllib.parse.urlsplit(index)
+def _credentials(url: str) -> dict[str, str]:
+    """host -> "user:password" from the URL, if it names a user."""
+    parts = urllib.parse.urlsplit(url)
     if parts.username is None:
         return {}
     return {parts.netloc.rpartition("@")[2]: f"{urllib.parse.unquote(parts.username)}:"
             f"{urllib.parse.unquote(parts.password or '')}"}
+
+
+def _shown_seconds(seconds: float) -> str:
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:g}"
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,7 @@ def _download_verified(layout: Layout, index_file: IndexFile, artifact: Artifact
 
 def find_in_index(project: str, filename: str) -> IndexFile:
     """Look `filename` up on each configured index (PEP 691 JSON, else PEP 503 HTML)."""
+    deadline_seconds()  # a bad K3_NETWORK_DEADLINE is named before anything is fetched
     unreachable, missing = [], []
     for index in configured_indexes():
         try:
@@ -290,7 +294,8 @@ def list_project_files(index: str, project: str) -> list[IndexFile]:
     request = _request(url, credentials,
                        Accept="application/vnd.pypi.simple.v1+json, text/html;q=0.1")
     seconds = deadline_seconds()
-    say(f"reading the package index page {shown} (gives up after {seconds:.0f} s)")
+    waited = _shown_seconds(seconds)
+    say(f"reading the package index page {shown} (gives up after {waited} s)")
     try:
         with _deadline(seconds), urllib.request.urlopen(request, timeout=_READ_TIMEOUT) \
                 as response:
@@ -298,7 +303,7 @@ def list_project_files(index: str, project: str) -> list[IndexFile]:
             content_type = response.headers.get("Content-Type", "")
             base = response.geturl()
     except _DeadlinePassed:
-        raise IndexUnreachable(f"{shown}: no complete answer within {seconds:.0f} s "
+        raise IndexUnreachable(f"{shown}: no complete answer within {waited} s "
                                "(K3_NETWORK_DEADLINE sets how long to wait)")
     except urllib.error.HTTPError as e:
         if e.code == 404:  # the index answered: it has no such project
@@ -378,8 +383,9 @@ def _download(index_file: IndexFile, part: Path, artifact: Artifact, layout: Lay
     deadline; return the number of bytes received."""
     url, shown = index_file.url, redacted(index_file.url)
     seconds = deadline_seconds(artifact.size)
+    waited = _shown_seconds(seconds)
     say(f"downloading {artifact.filename} ({artifact.size / 1e6:.1f} MB; gives up after "
-        f"{seconds:.0f} s)")
+        f"{waited} s)")
     received = 0
     request = _request(url, index_file.credentials or {})
     try:
@@ -398,7 +404,7 @@ def _download(index_file: IndexFile, part: Path, artifact: Artifact, layout: Lay
     except _DeadlinePassed:
         raise StackError(
             f"download of {artifact.filename} from {shown} stopped: {received} of "
-            f"{artifact.size} bytes in {seconds:.0f} s (K3_NETWORK_DEADLINE sets how long "
+            f"{artifact.size} bytes in {waited} s (K3_NETWORK_DEADLINE sets how long "
             "to wait). The partial file is never used; run the command again to retry, or "
             f"put the file in {rel(layout.downloads_dir, layout)}/ by hand.")
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
