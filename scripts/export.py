@@ -443,15 +443,16 @@ def export_for_upstream(layout: Layout, signoff: str) -> None:
         f"{rel(layout.build_dir / EXPORT, layout)}/ (read COVER.md first)")
 
 
+_ESCAPED = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as common.run escapes it
+
+
 def _refuse_non_utf8(tree: Path, commit: str, patch: Patch) -> None:
     """Author and message go into the PR as text: they must be UTF-8 (git keeps
     whatever bytes it was given; they arrive here surrogate-escaped)."""
     meta = git(tree, "log", "-1", "--format=%an <%ae>%n%B", commit).stdout
-    if not all(ch.isprintable() or ch in "\n\t" for ch in meta):
-        bad = next(ln for ln in meta.splitlines()
-                   if not all(ch.isprintable() or ch == "\t" for ch in ln))
+    if bad := next((ln for ln in meta.splitlines() if _ESCAPED.search(ln)), None):
         raise StackError(f"{patch.name}: the author or message of commit {commit[:12]} is "
-                         f"not printable UTF-8 (in {shown(bad)}); fix it in build/vllm "
+                         f"not UTF-8 (in {shown(bad)}); fix it in build/vllm "
                          "(`git commit --amend` at that commit, in a `git rebase -i`), run "
                          "`make patches`, then `make export`")
 

@@ -318,7 +318,7 @@ def _recover_interrupted_install(target: Path, entries: list[Entry], dry_run: bo
                 unknown.append(path)
     if restored or removed:
         say(f"overlay: an earlier install into {target} was interrupted; restored "
-            f"{len(restored)} original file(s), removed {len(removed)} staged file(s)")
+            f"{len(restored)} original file(s), removed {len(removed)} leftover file(s)")
     if unknown:
         warn(f"{target} holds file(s) that an interrupted install left: "
              + ", ".join(str(p) for p in unknown[:5])

@@ -328,7 +328,10 @@ def refuse_overwriting_edits(layout: Layout, rendered: dict[str, bytes],
         synced = state.get("synced")
     old_names = series_names(layout) if layout.series_file.exists() else []
     if synced is None:  # a state from before snapshots: the series digest tells
-        unchanged = state.get("applied_digest") == series_digest(read_series(layout))
+        try:
+            unchanged = state.get("applied_digest") == series_digest(read_series(layout))
+        except StackError:  # a listed file deleted, say: then nothing counts as unchanged
+            unchanged = False
         synced = patches_snapshot(layout) if unchanged else {}
     wanted = {name: _sha256(content) for name, content in rendered.items()}
     wanted[SERIES] = _sha256(series_text(list(rendered)))

@@ -378,4 +378,4 @@ def test_a_commit_whose_author_is_not_utf8_is_named(series):
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert f"{STEMS[6]}.patch: the author or message of commit" in result.stderr
-    assert "not printable UTF-8" in result.stderr
+    assert "is not UTF-8 (in 'D\\udce9v <" in result.stderr
