@@ -270,7 +270,8 @@ def results() -> dict:
     with InterpreterPool(widen_bf16_dots) as pool:
         outcomes = pool.map(_decode_both_ways, CASES, return_errors=True)
         [module_tiles] = pool.map(_module_tiles, [None], return_errors=True)
-    return dict(zip([case.name for case in CASES], outcomes), module_tiles=module_tiles)
+    names = [case.name for case in CASES]
+    return dict(zip(names, outcomes, strict=True), module_tiles=module_tiles)
 
 
 def _result(results: dict, case: Case) -> dict:

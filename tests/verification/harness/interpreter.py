@@ -2,7 +2,7 @@
 
 Triton picks the interpreter when a kernel is decorated, so TRITON_INTERPRET=1
 must be set before vLLM is imported; with an empty CUDA_VISIBLE_DEVICES (set on
-purpose) vLLM keeps Triton on without a GPU driver. Both are set for a pool of
+purpose) vLLM keeps Triton on without a GPU driver. Both are set in a pool of
 spawned workers only: the pytest process never imports vLLM, and other tests
 never see the interpreter.
 
@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import traceback
 import types
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-# Set in the workers before anything imports Triton or vLLM.
+# Set in each worker before it imports Triton or vLLM (a spawned process
+# starts without them).
 INTERPRETER_ENV = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 NUM_WORKERS = 2
@@ -62,9 +65,10 @@ def widen_bf16_dots() -> None:
 
 def patch_language_once_per_launch() -> None:
     """The interpreter patches ``triton.language`` for a launch and again for
-    every call of a ``@triton.jit`` helper inside it (per program: a third of
-    the run time of vLLM's MLA kernels). A helper that sees only the modules
-    the launch patched needs nothing more; others are patched as before."""
+    every call of a ``@triton.jit`` helper inside it, in every program (more
+    than half the run time of vLLM's MLA block decode). A helper that sees
+    only the modules the launch patched needs nothing more; others are
+    patched as before."""
     import inspect
 
     import triton.language as tl
@@ -77,12 +81,16 @@ def patch_language_once_per_launch() -> None:
         def restore(self) -> None:
             pass
 
+    langs_of: dict[object, set[int]] = {}  # helper -> ids of its language modules
+
     def patch_lang_once(fn):
-        langs = {
-            id(value)
-            for value in fn.__globals__.values()
-            if inspect.ismodule(value) and value in (tl, tl.core)
-        }
+        if fn not in langs_of:
+            langs_of[fn] = {
+                id(value)
+                for value in fn.__globals__.values()
+                if inspect.ismodule(value) and value in (tl, tl.core)
+            }
+        langs = langs_of[fn]
         if patched and langs <= patched:
             return Unpatched()
         scope = patch_lang(fn)
@@ -118,10 +126,13 @@ _SETUP_ERROR: str | None = None
 
 
 def _set_up_worker(workarounds: tuple[Callable[[], None], ...]) -> None:
-    # Never raise here: a pool replaces a worker whose initializer failed,
-    # forever.
+    # Not raised here, where it would only break the pool without a word.
     global _SETUP_ERROR
     try:
+        imported = [name for name in ("triton", "vllm") if name in sys.modules]
+        if imported:
+            raise RuntimeError(f"{imported} imported before the interpreter was on")
+        os.environ.update(INTERPRETER_ENV)
         from vllm.triton_utils import HAS_TRITON
 
         if not HAS_TRITON:
@@ -143,30 +154,17 @@ def _run_job(job: tuple[Callable[[Any], Any], Any]) -> tuple[str, Any]:
         return "err", "".join(traceback.format_exception(exc))
 
 
-@contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 class InterpreterPool:
     """NUM_WORKERS spawned processes with Triton's interpreter on and the given
     workarounds applied, serving ``map``; a context manager."""
 
     def __init__(self, *workarounds: Callable[[], None]) -> None:
-        # A spawned child takes its environment from this process at start.
-        with _environ(INTERPRETER_ENV):
-            self._pool = multiprocessing.get_context("spawn").Pool(
-                NUM_WORKERS, initializer=_set_up_worker, initargs=(workarounds,)
-            )
+        self._pool = ProcessPoolExecutor(
+            NUM_WORKERS,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_set_up_worker,
+            initargs=(workarounds,),
+        )
 
     def map(
         self,
@@ -177,10 +175,18 @@ class InterpreterPool:
     ) -> list:
         """``[function(a) for a in arguments]``, computed in the workers. A
         failed job raises InterpreterWorkerError (with the worker's traceback),
-        or with `return_errors` takes its place in the list."""
+        or with `return_errors` takes its place in the list. A worker that
+        dies (a kernel writing out of bounds can crash the interpreter) breaks
+        the pool: that raises."""
         jobs = [(function, argument) for argument in arguments]
+        try:
+            outcomes = list(self._pool.map(_run_job, jobs))
+        except BrokenProcessPool as exc:
+            raise InterpreterWorkerError(
+                f"an interpreter worker died running {function.__qualname__}: {exc}"
+            ) from None
         results = []
-        for kind, payload in self._pool.map(_run_job, jobs, chunksize=1):
+        for kind, payload in outcomes:
             if kind == "err":
                 error = InterpreterWorkerError(f"in an interpreter worker:\n{payload}")
                 if not return_errors:
@@ -193,5 +199,4 @@ class InterpreterPool:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._pool.terminate()
-        self._pool.join()
+        self._pool.shutdown(cancel_futures=True)
