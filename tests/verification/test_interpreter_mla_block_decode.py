@@ -40,7 +40,8 @@ from tests.verification.harness.interpreter import InterpreterPool, widen_bf16_d
 # What the tile choice sees of each platform.
 LARGE_SMEM = "nvidia-large-smem"  # Hopper, datacenter Blackwell
 SMALL_SMEM = "nvidia-small-smem"  # A100, consumer parts
-ROCM = "rocm"  # MI300, MI355
+ROCM = "gfx942"  # MI300
+ROCM_950 = "gfx950"  # MI355
 SMALL_SMEM_BYTES = 100 * 1024
 
 # Graphs are captured for the longest context (see vLLM's test).
@@ -71,6 +72,9 @@ class Case:
     min_most_splits: int = 1
     capped: bool = False
     several_waves: bool = False
+    # The query as the two tensors MLAAttention hands over ([ql_nope | q_pe],
+    # each contiguous), not one.
+    q_parts: bool = False
 
 
 E4M3FN, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -93,8 +97,13 @@ CASES = [
     Case("bf16-64-heads", LARGE_SMEM, 2, 64, (40,), 64, BF16),
     Case("bf16-small-smem-page1", SMALL_SMEM, 2, 16, (60, 0, 9), 1, BF16),
     Case("e4m3fnuz-rocm-page64", ROCM, 8, 8, (129, 0), 64, E4M3FNUZ),
-    Case("e4m3fn-rocm-page1", ROCM, 7, 8, (80, 33), 1, E4M3FN),
+    Case("e4m3fn-mi355-page1", ROCM_950, 7, 8, (80, 33), 1, E4M3FN),
+    Case("bf16-mi355-96-rows", ROCM_950, 6, 16, (75, 4), 16, BF16),
+    Case("bf16-rocm-96-rows", ROCM, 3, 32, (90, 0), 64, BF16),
     Case("fp16-rocm", ROCM, 3, 8, (61, 2), 16, FP16),
+    # The query as two tensors.
+    Case("bf16-q-parts", LARGE_SMEM, 4, 8, (300, 70, 0), 16, BF16, q_parts=True),
+    Case("e4m3fnuz-q-parts", ROCM, 3, 16, (129, 16), 64, E4M3FNUZ, q_parts=True),
     # Split sizing. One request alone on 8 slots: 7 splits of 86 tokens,
     # 5 of whole 64-token tiles.
     Case(
@@ -160,8 +169,10 @@ def _platform_tiles(ops, platform: str, picked: list):
 
     def pick(rows, kv_dtype, device):
         with ExitStack() as emulated:
-            if platform == ROCM:
+            if platform in (ROCM, ROCM_950):
                 emulated.enter_context(patch.object(ops, "is_hip_", True))
+                tiles = ops._MLA_BLOCK_TILES_ROCM[platform]
+                emulated.enter_context(patch.object(ops, "_rocm_tiles", lambda: tiles))
             else:
                 smem = ops._LARGE_SMEM_BYTES if platform == LARGE_SMEM else SMALL_SMEM_BYTES
                 emulated.enter_context(
@@ -203,8 +214,9 @@ def _decode_both_ways(case: Case) -> dict:
         )
         o, lse = q.new_zeros(*q.shape[:2], lv), q.new_zeros(q.shape[:2])
         scratch = _scratch(q, num_kv_splits, lv)
+        q_in = (q[..., :lv].contiguous(), q[..., lv:].contiguous()) if case.q_parts else q
         ops.decode_attention_fwd_mla_block(
-            q,
+            q_in,
             kv_cache,
             o,
             lse,
@@ -258,7 +270,7 @@ def _module_tiles(_: None) -> list[tuple]:
     tiles = [
         *ops._MLA_BLOCK_TILES_LARGE_SMEM.values(),
         ops._MLA_BLOCK_TILE_SMALL_SMEM,
-        ops._MLA_BLOCK_TILE_ROCM,
+        *(tile for row in ops._MLA_BLOCK_TILES_ROCM.values() for tile in row.values()),
     ]
     return [dataclasses.astuple(tile) for tile in tiles]
 
