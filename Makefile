@@ -1,23 +1,19 @@
 # Front door of the K3 DSpark ROCm patch stack. The logic lives in scripts/
 # (python3 -m scripts <command>); see README.md.
 
+# Every variable given on the command line (TARGET, VLLM_VERSION, FRESH,
+# FORCE, SIGNOFF, the image variables, any other) is data, never code: taken
+# literally ($(value): make expands nothing in it; make would otherwise expand
+# each one whenever it exports it to a recipe) and still exported as given.
+# The scripts get them through the environment and quote them (the shell runs
+# nothing in them). FORCE counts only when typed on make's own command line:
+# `clean` asks the script to check that (MAKEFLAGS looks the same to make).
+$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),\
+  $(eval override $(v) := $$(value $(v)))$(eval export $(v))))
+export TARGET VLLM_VERSION BASE_IMAGE IMAGE_TAG SMOKE_GCN_ARCH DOCKER_TARGET
+
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
-
-# What the user passes in TARGET, VLLM_VERSION, FORCE, ONLY and the image variables
-# is data, never code: taken literally ($(value): make expands nothing in it),
-# handed to the scripts through the environment and quoted there (the shell
-# runs nothing in it). FORCE counts only when given on the command line.
-FORCED := $(filter command line,$(origin FORCE))
-override TARGET := $(value TARGET)
-override VLLM_VERSION := $(value VLLM_VERSION)
-override FORCE := $(value FORCE)
-override BASE_IMAGE := $(value BASE_IMAGE)
-override IMAGE_TAG := $(value IMAGE_TAG)
-override SMOKE_GCN_ARCH := $(value SMOKE_GCN_ARCH)
-override DOCKER_TARGET := $(value DOCKER_TARGET)
-override ONLY := $(value ONLY)
-export TARGET VLLM_VERSION BASE_IMAGE IMAGE_TAG SMOKE_GCN_ARCH DOCKER_TARGET ONLY
 
 .PHONY: help apply patches rebase drift overlay install-overlay build test check bench \
         gpubench lock clean fetch export rocm-image rocm-source-image
@@ -95,7 +91,7 @@ fetch:
 	$(STACK) fetch
 
 clean:
-	$(STACK) clean $(if $(and $(FORCED),$(filter 1,$(FORCE))),--force)
+	$(STACK) clean $(if $(filter 1,$(value FORCE)),--forced-by-make=$$PPID)
 
 # BASE_IMAGE, IMAGE_TAG, SMOKE_GCN_ARCH and DOCKER_TARGET reach the script through the
 # environment (exported above), never through the shell.

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from scripts.common import Layout, StackError, remove_leftovers
+from scripts.common import Layout, StackError, Terminated, handle_termination, remove_leftovers
 from scripts.mutex import project_lock
 
 # Commands that write nothing of the project's own (build/, .cache/, vllm_overlay/).
@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     clean = sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
     clean.add_argument("--force", action="store_true",
                        help="also delete work that exists only in build/vllm (named first)")
+    clean.add_argument("--forced-by-make", type=int, metavar="MAKE_PID",
+                       help="make got FORCE=1: force only if make's own command line "
+                            "holds it (not MAKEFLAGS or the environment)")
     image = sub.add_parser("rocm-image", help="build a ROCm image with the stack "
                            "(BASE_IMAGE, IMAGE_TAG from the environment)")
     image.add_argument("--source", action="store_true",
@@ -70,17 +73,22 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("runbook", help="the hardware runbook on a ROCm machine "
                    "(docs/hardware-runbook.md); see `runbook --help`")
     argv = sys.argv[1:] if argv is None else argv
+    # git output that is not UTF-8 is carried with surrogate escapes (common.run);
+    # printed, it shows as escapes, never as a UnicodeEncodeError.
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(errors="backslashreplace")
     layout = Layout.default()
     if argv[:1] == ["runbook"]:
         from scripts.runbook.cli import main as runbook_main
 
         return runbook_main(layout, argv[1:])
     args = parser.parse_args(argv)
+    handle_termination()
     try:
         if args.command in _UNLOCKED:
             return _dispatch(layout, args) or 0
         with project_lock(layout, args.command):
-            for folder in (layout.root, layout.build_dir):
+            for folder in (layout.root, layout.build_dir, layout.patches_dir):
                 remove_leftovers(folder)  # from runs that were killed
             return _dispatch(layout, args) or 0
     except StackError as e:
@@ -93,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {where}{e.strerror or e}; fix that and run the command again",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted; nothing half-done is kept as good", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Terminated) else 2
+        print(f"{'interrupted' if signum == 2 else f'terminated ({e})'}; nothing half-done "
+              "is kept as good",
+              file=sys.stderr)
+        return 128 + signum
 
 
 def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
@@ -167,9 +178,10 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
         return gpubench(layout, args.case, args.package, args.source, args.rev,
                         args.build_only)
     elif args.command == "clean":
-        from scripts.clean import clean
+        from scripts.clean import clean, force_typed
 
-        clean(layout, force=args.force)
+        clean(layout, force=args.force or (args.forced_by_make is not None
+                                           and force_typed(args.forced_by_make)))
     elif args.command == "rocm-image":
         from scripts.rocm_image import build_image
 

@@ -82,7 +82,9 @@ def bench(layout: Layout) -> None:
     say("")
     for line in recorded_test_runs(layout):
         say(line)
-    _kernel_budget(layout)
+    _venv_report(layout, "kernel budget", "tests.verification.kernel_budget")
+    # Exits 1 when a kernel breaks an AMD GPU's limits; its table says which.
+    _venv_report(layout, "AMD compile resources", "scripts.amd_resources")
 
 
 def recorded_test_runs(layout: Layout) -> list[str]:
@@ -110,21 +112,24 @@ def recorded_test_runs(layout: Layout) -> list[str]:
     return lines
 
 
-def _kernel_budget(layout: Layout) -> None:
-    """Print the kernel budget of one draft step (tests/verification/kernel_budget.py),
-    counted against the patched vLLM in .venv; a missing venv or a failure is reported,
-    never fatal: the figures are informational."""
+def _venv_report(layout: Layout, what: str, module: str) -> None:
+    """Print what a module of the project prints under .venv: the kernel budget of
+    one draft step (tests/verification/kernel_budget.py) and the AMD compile
+    resources of the stack's kernels (scripts/amd_resources), both against the
+    patched vLLM. A missing venv or a failure is reported, never fatal: the
+    figures are informational."""
     python = venv_python(layout)
     if not python.exists():
-        say("\n  kernel budget: skipped, .venv is missing (`make build` creates it)")
+        say(f"\n  {what}: skipped, .venv is missing (`make build` creates it)")
         return
-    result = subprocess.run([str(python), "-m", "tests.verification.kernel_budget"],
+    result = subprocess.run([str(python), "-m", module],
                             cwd=layout.root, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(layout.root)})
+    if result.stdout.strip():
+        say("\n" + result.stdout.rstrip())
     if result.returncode != 0:
-        say(f"\n  kernel budget: failed\n{(result.stderr or result.stdout).strip()[-3000:]}")
-        return
-    say("\n" + result.stdout.rstrip())
+        say(f"\n  {what}: failed (exit {result.returncode})\n"
+            f"{result.stderr.strip()[-3000:]}")
 
 
 def _copy_project(layout: Layout, scratch: Path) -> None:

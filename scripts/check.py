@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 from scripts import overlay
-from scripts.common import Layout, StackError, rel, say
-from scripts.fetch import ensure_artifact
-from scripts.gitrepo import create_base, dirty_files, is_stack_repo, read_state
+from scripts.common import Layout, StackError, discard, rel, say, warn
+from scripts.gitrepo import DamagedRepo, create_base, dirty_files, is_stack_repo, read_state
 from scripts.pin import Pin, load_pin
 from scripts.stack import unexported_commits
 from scripts.series import (
@@ -44,11 +43,7 @@ def check(layout: Layout) -> int:
         except StackError as e:
             problems.append(str(e))
     if not problems:
-        repo = _base_repo(layout, pin)
-        applied = apply_to_index(repo, pin.base_tag, patches)
-        problems += applied.special + ([applied.failure] if applied.failure else [])
-        if applied.tree and not applied.special:
-            problems += _overlay_problems(layout, repo, pin, applied.tree, patches)
+        problems += _stack_problems(layout, pin, patches)
     for msg in problems:
         say(f"FAIL {msg}")
     if note := _unchecked_work(layout):
@@ -64,8 +59,11 @@ def _unchecked_work(layout: Layout) -> str | None:
     tree = layout.tree
     if not is_stack_repo(tree) or not read_state(tree).get("base_tag"):
         return None
-    edits = dirty_files(tree)
-    commits = unexported_commits(layout, read_state(tree)["base_tag"])
+    try:
+        edits = dirty_files(tree)
+        commits = unexported_commits(layout, read_state(tree)["base_tag"])
+    except DamagedRepo:
+        return None  # the check has said so already, and read the release elsewhere
     if not edits and not commits:
         return None
     held = ", ".join(f"{n} {what}" for n, what in ((len(edits), "uncommitted change(s)"),
@@ -84,11 +82,49 @@ def _series_agreement(layout: Layout, patches: list[Patch]) -> list[str]:
         for path in stray_notes(layout, patches)]
 
 
-def _base_repo(layout: Layout, pin: Pin) -> Path:
+def _stack_problems(layout: Layout, pin: Pin, patches: list[Patch]) -> list[str]:
+    """Apply the series to the pristine release in a scratch index; compare the overlay.
+
+    The release is read from build/vllm or build/check-base. A damaged
+    build/vllm is named and passed over (check needs only the release, which
+    check-base holds too); a damaged check-base, only the tooling's copy, is
+    made again.
+    """
+    skip_tree, remade = False, False
+    while True:
+        repo = _base_repo(layout, pin, skip_tree)
+        try:
+            return _applied_problems(layout, repo, pin, patches)
+        except DamagedRepo as e:
+            if repo == layout.tree:
+                warn(f"{e} (`make check` reads the release from "
+                     f"{rel(layout.build_dir / 'check-base', layout)} instead)")
+                skip_tree = True
+            elif not remade:
+                warn(f"{rel(repo, layout)}, the check's copy of the release, is damaged; "
+                     "making it again")
+                discard(repo)
+                remade = True
+            else:
+                raise
+
+
+def _applied_problems(layout: Layout, repo: Path, pin: Pin, patches: list[Patch]) -> list[str]:
+    applied = apply_to_index(repo, pin.base_tag, patches)
+    problems = applied.special + ([applied.failure] if applied.failure else [])
+    if applied.tree and not applied.special:
+        problems += _overlay_problems(layout, repo, pin, applied.tree, patches)
+    return problems
+
+
+def _base_repo(layout: Layout, pin: Pin, skip_tree: bool = False) -> Path:
     """A git repo holding the pristine release: build/vllm, or a check-only copy."""
-    for repo in (layout.tree, layout.build_dir / "check-base"):
+    candidates = ([] if skip_tree else [layout.tree]) + [layout.build_dir / "check-base"]
+    for repo in candidates:
         if is_stack_repo(repo) and read_state(repo).get("base_sdist_sha256") == pin.sdist.sha256:
             return repo
+    from scripts.fetch import ensure_artifact  # network code only when needed
+
     repo = layout.build_dir / "check-base"
     sdist = ensure_artifact(layout, pin.project, pin.sdist)
     create_base(layout, pin, sdist, dest=repo)
@@ -99,9 +135,15 @@ def _overlay_problems(layout: Layout, repo: Path, pin: Pin, result_tree: str,
                       patches: list[Patch]) -> list[str]:
     expected = overlay.render(repo, pin, pin.base_tag, result_tree, [p.name for p in patches])
     actual = overlay.current_files(layout.overlay_dir)
+    problems = [f"vllm_overlay/{path} is a {found.kind}, not a regular file (the overlay "
+                "holds only files: `make apply` replaces it; commit the result)"
+                for path, found in sorted(actual.items())
+                if isinstance(found, overlay.NotRegular)]
     stale = sorted(path for path in expected.keys() | actual.keys()
-                   if expected.get(path) != actual.get(path))
-    if not stale:
-        return []
-    return [f"vllm_overlay/ differs from what the stack produces in: {', '.join(stale)} "
-            "(it is generated: run `make apply` and commit the result)"]
+                   if expected.get(path) != actual.get(path)
+                   and not isinstance(actual.get(path), overlay.NotRegular))
+    if stale:
+        problems.append(f"vllm_overlay/ differs from what the stack produces in: "
+                        f"{', '.join(stale)} (it is generated: run `make apply` and commit "
+                        "the result)")
+    return problems

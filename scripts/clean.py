@@ -2,25 +2,72 @@
 
 build/vllm is deleted only when nothing in it exists nowhere else, or when the
 user says so with `make clean FORCE=1` (then each piece is named as it goes).
-Kept are: uncommitted changes, an unfinished `git am`, stashes, other
-worktrees, and every commit, on any branch or only in the reflog, whose work
-is in no saved patch: neither in patches/ nor in the project's git history.
-Anything in build/ that the tooling did not make is left alone.
+Kept are: uncommitted changes, ignored files that neither the release nor the
+tooling made, an unfinished `git am`, stashes, other worktrees (also one whose
+folder was moved), and every commit, on any branch or only in the reflog,
+whose work is in no saved patch: neither in patches/ nor in the project's git
+history. Anything in build/ that the tooling did not make is left alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import zipfile
+import zlib
 from pathlib import Path
 
-from scripts.common import SCRATCH_PREFIXES, Layout, StackError, discard, rel, run, say, warn
-from scripts.gitrepo import RELEASE_AUTHOR, am_in_progress, dirty_files, git, is_stack_repo
+from scripts.common import (
+    SCRATCH_PREFIXES,
+    Layout,
+    StackError,
+    discard,
+    rel,
+    run,
+    say,
+    shown,
+    warn,
+)
+from scripts.gitrepo import (
+    RELEASE_AUTHOR,
+    am_in_progress,
+    build_outputs,
+    dirty_files,
+    git,
+    ignored_files,
+    is_stack_repo,
+    other_worktrees,
+)
 from scripts.prefixes import is_prefix_worktree
 from scripts.stack import recover_interrupted_apply, render_commit
 
-_GENERATED = ("check-base", "drift-base", "mutate", "prefix-tree", "prefix-trees",
-              "test-results")
+# What the tooling makes in build/ and can make again (build/vllm aside).
+_GENERATED = ("check-base", "drift-base", "prefix-tree", "prefix-trees", "test-results",
+              "export", "gpubench", "wheel-site", "rocm-source-context", "amd-resources",
+              "mutate")
+# Results only the hardware can make again: kept, and said so.
+_RUNBOOK_RESULTS = "runbook-"
 _SHOWN = 10  # items of one kind listed before "... and N more"
+
+
+def force_typed(make_pid: int) -> bool:
+    """Whether `FORCE=1` is on the command line of make (process `make_pid`).
+
+    Make gives a variable from MAKEFLAGS (the environment, a parent make) the
+    same origin as one typed on its command line, so only make's own argv
+    tells them apart.
+    """
+    try:
+        argv = Path(f"/proc/{make_pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        warn("FORCE=1 is ignored: make's command line cannot be read here, so it is not "
+             "known whether FORCE was typed; run `python3 -m scripts clean --force`")
+        return False
+    if b"FORCE=1" in argv[1:]:
+        return True
+    warn("FORCE=1 is ignored: it reached make through MAKEFLAGS or the environment (a "
+         "parent make, say), not its command line; it counts only when typed, as in "
+         "`make clean FORCE=1`")
+    return False
 
 
 def clean(layout: Layout, force: bool = False) -> None:
@@ -30,6 +77,9 @@ def clean(layout: Layout, force: bool = False) -> None:
         for path in sorted(layout.build_dir.iterdir()):
             if path.name in _GENERATED or path.name.startswith(SCRATCH_PREFIXES):
                 _remove(layout, path)
+            elif path.name.startswith(_RUNBOOK_RESULTS) and path.is_dir():
+                warn(f"kept {rel(path, layout)}: hardware runbook results, which only the "
+                     "hardware can make again; delete it yourself when they are saved")
             else:
                 warn(f"left {rel(path, layout)} alone: not made by this tooling")
         if not any(layout.build_dir.iterdir()):
@@ -69,7 +119,11 @@ def unsaved_work(layout: Layout) -> list[str]:
         work.append("an unfinished `git am` (a rebase, or an edit by hand)")
     if dirty := dirty_files(tree):
         work.append("uncommitted changes: " + _listed(dirty))
-    work += git(tree, "stash", "list", "--format=%gd: %gs").stdout.splitlines()
+    if ignored := _ignored_work(layout):
+        work.append("ignored files that neither the release nor the tooling made: "
+                    + _listed(ignored))
+    work += [shown(line) for line in
+             git(tree, "stash", "list", "-z", "--format=%gd: %gs").stdout.split("\0") if line]
     work += _other_worktrees(layout)
     work += _unsaved_commits(layout)
     return work
@@ -77,21 +131,60 @@ def unsaved_work(layout: Layout) -> list[str]:
 
 def _listed(items: list[str]) -> str:
     more = f" ... and {len(items) - _SHOWN} more" if len(items) > _SHOWN else ""
-    return ", ".join(items[:_SHOWN]) + more
+    return ", ".join(shown(item) for item in items[:_SHOWN]) + more
+
+
+def _ignored_work(layout: Layout) -> list[str]:
+    """Ignored files in build/vllm that are someone's work: not outputs of the
+    build (the tooling's excludes) and not the pinned wheel's files, which the
+    python-only build copies into the tree (both can be made again)."""
+    tree = layout.tree
+    candidates = [p for p in ignored_files(tree) if p not in build_outputs(tree)]
+    if not candidates:
+        return []
+    from_wheel = _wheel_members(layout)
+    return [p for p in candidates if not _same_file(tree / p, from_wheel.get(p))]
+
+
+def _wheel_members(layout: Layout) -> dict[str, zipfile.ZipInfo]:
+    """The files of the pinned wheel in the download cache (none if it is not there)."""
+    from scripts.fetch import cached_path
+    from scripts.pin import load_pin
+
+    try:
+        wheel = cached_path(layout, load_pin(layout.pin_file).wheel)
+        with zipfile.ZipFile(wheel) as archive:
+            return {info.filename: info for info in archive.infolist()}
+    except (StackError, OSError, zipfile.BadZipFile):
+        return {}  # then the copies of its files count as work: better kept than lost
+
+
+def _same_file(path: Path, member: zipfile.ZipInfo | None) -> bool:
+    if member is None or path.is_symlink() or path.stat().st_size != member.file_size:
+        return False
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc == member.CRC
 
 
 def _other_worktrees(layout: Layout) -> list[str]:
     """Worktrees of build/vllm other than the tooling's own: their index and
-    branch live in build/vllm."""
-    blocks = git(layout.tree, "worktree", "list", "--porcelain").stdout.strip().split("\n\n")
+    branch live in build/vllm, also when their folder was moved."""
     found = []
-    for block in blocks[1:]:  # the first is build/vllm itself
-        fields = dict(line.partition(" ")[::2] for line in block.splitlines())
-        path = Path(fields["worktree"])
-        if is_prefix_worktree(layout, path) or not path.exists():
+    for worktree in other_worktrees(layout.tree):
+        if is_prefix_worktree(layout, worktree.path):
             continue
-        branch = fields.get("branch", "").removeprefix("refs/heads/") or "a detached HEAD"
-        found.append(f"worktree {path} (on {branch})")
+        branch = shown(worktree.branch) if worktree.branch else "a detached HEAD"
+        where = shown(str(worktree.path))
+        if worktree.missing:
+            found.append(f"worktree {where} (on {branch}), whose folder is missing: if it was "
+                         "moved, its index and HEAD still live in build/vllm (`git worktree "
+                         "repair <new path>` records the move); if it was deleted, `git -C "
+                         f"{rel(layout.tree, layout)} worktree prune` forgets it")
+        else:
+            found.append(f"worktree {where} (on {branch})")
     return found
 
 
@@ -110,10 +203,10 @@ def _unsaved_commits(layout: Layout) -> list[str]:
         stash, _head, *parts = line.split()  # the stash, the commit it was made on, its parts
         stashed.update([stash, *parts])
     release = f"{RELEASE_AUTHOR['GIT_AUTHOR_NAME']} <{RELEASE_AUTHOR['GIT_AUTHOR_EMAIL']}>"
-    log = git(tree, "log", "--all", "--reflog", "--format=%H%x00%T%x00%an <%ae>%x00%h %s")
+    log = git(tree, "log", "-z", "--all", "--reflog", "--format=%H%x00%T%x00%an <%ae>%x00%h %s")
+    fields = log.stdout.split("\0")
     saved_trees, unknown = set(), []
-    for line in log.stdout.splitlines():
-        commit, tree_id, author, title = line.split("\0")
+    for commit, tree_id, author, title in zip(*[iter(fields)] * 4):
         if commit in stashed or author == release:
             continue
         if _blob_id(render_commit(layout, commit), algorithm) in saved_patches:
@@ -121,14 +214,16 @@ def _unsaved_commits(layout: Layout) -> list[str]:
         else:
             unknown.append((commit, tree_id, title))
     lost = [(commit, title) for commit, tree_id, title in unknown if tree_id not in saved_trees]
-    shown = [f"commit {title} ({_holders(tree, commit)})" for commit, title in lost[:_SHOWN]]
-    return shown + ([f"... and {len(lost) - _SHOWN} more commits"] if len(lost) > _SHOWN else [])
+    listed = [f"commit {shown(title)} ({_holders(tree, commit)})"
+              for commit, title in lost[:_SHOWN]]
+    return listed + ([f"... and {len(lost) - _SHOWN} more commits"] if len(lost) > _SHOWN
+                     else [])
 
 
 def _holders(tree: Path, commit: str) -> str:
     refs = git(tree, "for-each-ref", "--contains", commit, "--format=%(refname:short)",
-               "refs/heads", "refs/tags").stdout.split()
-    return f"on {', '.join(refs)}" if refs else "only in the reflog"
+               "refs/heads", "refs/tags").stdout.splitlines()
+    return f"on {', '.join(map(shown, refs))}" if refs else "only in the reflog"
 
 
 def _saved_patch_ids(layout: Layout) -> tuple[str, set[str]]:

@@ -23,6 +23,7 @@ All or nothing: the folder is staged next to build/export and renamed into place
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -32,12 +33,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.common import Layout, StackError, rel, say, warn
+from scripts.common import Layout, StackError, read_regular, rel, say, shown, warn
 from scripts.gitrepo import commits_since, git, is_stack_repo, read_state
 from scripts.pin import load_pin
 from scripts.series import Patch, read_series
 from scripts.stack import guard_tree, render_commit
-from scripts.testcache import read_summary, shown_date
+from scripts.testcache import FORMAT, RESULTS, shown_date
 
 EXPORT = "export"
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
@@ -125,11 +126,20 @@ def split_sections(markdown: str) -> tuple[str, list[tuple[str, str]]]:
 
 
 def read_notes(layout: Layout, patch: Patch) -> Message:
-    path = layout.patches_dir / NOTES / f"{patch.path.stem}.md"
-    if not path.exists():
+    """patches/notes/<patch>.md, if there is one. It goes into PR.md, which is
+    pasted in public: only a regular file in patches/notes/ itself is read,
+    never the target of a link (nor a FIFO, which would block)."""
+    folder = layout.patches_dir / NOTES
+    path = folder / f"{patch.path.stem}.md"
+    fix = "notes must be plain files in patches/notes/; replace it with one"
+    if folder.is_symlink():
+        raise StackError(f"{rel(folder, layout)} is a symlink; {fix}")
+    try:
+        data = read_regular(path, fix)
+    except FileNotFoundError:
         return Message("", "", [])
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise StackError(f"{rel(path, layout)} is not UTF-8 text; save it as UTF-8 and "
                          "run `make export` again")
@@ -142,8 +152,10 @@ def read_notes(layout: Layout, patch: Patch) -> Message:
 @contextmanager
 def scratch_objects(tree: Path) -> Iterator[dict[str, str]]:
     """Git environment whose new objects go to a temporary store: nothing is
-    written into build/vllm, which is read through it as an alternate."""
-    with tempfile.TemporaryDirectory(prefix="k3-export-objects-") as tmp:
+    written into build/vllm, which is read through it as an alternate. (The
+    store is a `.export-*` folder in build/, which a killed run's successor
+    removes.)"""
+    with tempfile.TemporaryDirectory(prefix=".export-objects-", dir=tree.parent) as tmp:
         yield {"GIT_OBJECT_DIRECTORY": tmp,
                "GIT_ALTERNATE_OBJECT_DIRECTORIES": str((tree / ".git" / "objects").resolve())}
 
@@ -170,7 +182,7 @@ def resign(tree: Path, commit: str, parent: str, submitter: Person,
 @contextmanager
 def scratch_index(tree: Path, base: str, objects: dict[str, str]) -> Iterator[dict[str, str]]:
     """A temporary index holding `base`, for `git apply --cached` trials."""
-    with tempfile.TemporaryDirectory(prefix="k3-export-index-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=".export-index-", dir=tree.parent) as tmp:
         env = {**objects, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
         git(tree, "read-tree", base, env=env)
         yield env
@@ -476,12 +488,14 @@ def export_for_upstream(layout: Layout, signoff: str) -> None:
         raise StackError(f"{rel(tree, layout)} does not hold patches/series as it is now; "
                          "run `make apply` (or `make patches` to export your commits), "
                          "then `make export` again")
+    for commit, patch in zip(commits, patches):
+        _refuse_non_utf8(tree, commit, patch)
     template = git(tree, "show", f"HEAD:{TEMPLATE}", check=False)
     if template.returncode != 0:
         raise StackError(f"{rel(tree, layout)} has no {TEMPLATE} to fill; the PR "
                          "descriptions follow the template of the patched vLLM")
     pin = load_pin(layout.pin_file)
-    summary = read_summary(layout)
+    summary = _latest_summary(layout)
     layout.build_dir.mkdir(exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=layout.build_dir))
     say(f"exporting {len(patches)} patch(es) for {submitter}")
@@ -496,6 +510,74 @@ def export_for_upstream(layout: Layout, signoff: str) -> None:
             shutil.rmtree(staging)
     say(f"exported {len(patches)} patch(es), signed off by {submitter}, to "
         f"{rel(layout.build_dir / EXPORT, layout)}/ (read COVER.md first)")
+
+
+_ESCAPED = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as common.run escapes it
+
+
+def _refuse_non_utf8(tree: Path, commit: str, patch: Patch) -> None:
+    """Author and message go into the PR as text: they must be UTF-8 (git keeps
+    whatever bytes it was given; they arrive here surrogate-escaped)."""
+    meta = git(tree, "log", "-1", "--format=%an <%ae>%n%B", commit).stdout
+    if bad := next((ln for ln in meta.splitlines() if _ESCAPED.search(ln)), None):
+        raise StackError(f"{patch.name}: the author or message of commit {commit[:12]} is "
+                         f"not UTF-8 (in {shown(bad)}); fix it in build/vllm "
+                         "(`git commit --amend` at that commit, in a `git rebase -i`), run "
+                         "`make patches`, then `make export`")
+
+
+def _latest_summary(layout: Layout) -> dict | None:
+    """build/test-results/summary.json if it is in the current format; None if
+    there is none (or an older `make test` wrote it). A damaged one is an error:
+    PR.md must not say "no result is recorded" when one is, unreadable."""
+    path = layout.build_dir / RESULTS / "summary.json"
+    damaged = (f"{rel(path, layout)} is damaged ({{}}); run `make test` (it writes the "
+               "file again), then `make export`")
+    try:
+        summary = json.loads(read_regular(path, "it is written by `make test`"))
+    except FileNotFoundError:
+        return None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StackError(damaged.format(e))
+    if not isinstance(summary, dict):
+        raise StackError(damaged.format("not a JSON object"))
+    if summary.get("format") != FORMAT:
+        return None
+    if problem := _summary_problem(summary):
+        raise StackError(damaged.format(problem))
+    return summary
+
+
+def _summary_problem(summary: dict) -> str | None:
+    """What is missing or mistyped among the fields PR.md and COVER.md read."""
+    def typed(value, kind, where):
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else
+                                                      (kind,)))
+            raise TypeError(f"{where} is {type(value).__name__}, not {names}")
+        return value
+    try:
+        typed(summary.get("started"), str, "started")
+        typed(summary.get("rows_reused"), int, "rows_reused")
+        typed(typed(summary.get("vllm"), dict, "vllm").get("describe"), str, "vllm.describe")
+        totals = typed(summary.get("totals"), dict, "totals")
+        for n, row in enumerate(typed(summary.get("rows"), list, "rows")):
+            typed(row, dict, f"rows[{n}]")
+            typed(row.get("vllm_tree"), (str, type(None)), f"rows[{n}].vllm_tree")
+            typed(row.get("failed"), int, f"rows[{n}].failed")
+            for m, part in enumerate(typed(row.get("parts"), list, f"rows[{n}].parts")):
+                typed(part, dict, f"rows[{n}].parts[{m}]")
+                if (reused := part.get("reused")) is not None:
+                    typed(typed(reused, dict, f"rows[{n}].parts[{m}].reused").get("date", ""),
+                          str, f"rows[{n}].parts[{m}].reused.date")
+                for key, kind in (("where", str), ("command", str), ("passed", int),
+                                  ("failed", int), ("skipped", int)):
+                    typed(part.get(key), kind, f"rows[{n}].parts[{m}].{key}")
+        for key in ("passed", "failed", "skipped"):
+            typed(totals.get(key), int, f"totals.{key}")
+    except TypeError as e:
+        return str(e)
+    return None
 
 
 def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],

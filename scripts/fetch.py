@@ -8,27 +8,38 @@ download stops as soon as it exceeds the expected size, so no index can fill
 the disk. Each cached file has its own lock, since K3_CACHE_DIR may share the
 cache between clones; a partial download is a `.part` file of its run, never
 taken as good.
+
+Every network step (an index page, a download) has one deadline for the
+whole step, not only for each read: an index that answers one byte at a
+time cannot hold a run for ever. Each step says what it fetches and when it
+gives up. Credentials in an index URL (`https://user:token@host/simple`, as
+pip takes them) are sent to that host only and never printed.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import html.parser
 import http.client
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.common import Layout, StackError, rel, say, warn
+from scripts.common import Layout, StackError, read_regular, rel, say, warn
 from scripts.mutex import cache_lock
 from scripts.pin import Artifact
 
@@ -37,10 +48,93 @@ _CHUNK = 1 << 20
 # A project page larger than this is not an index page (PyPI's for vLLM is ~1 MB).
 _MAX_PAGE = 64 << 20
 _RELEASE_SDIST = re.compile(r"^vllm-(\d+(?:\.\d+)*)\.tar\.gz$")
+# A read that brings nothing for this long is a dead connection.
+_READ_TIMEOUT = 60
+# Deadlines: an index page gets this long; a download this plus its size at
+# the slowest rate worth waiting for. K3_NETWORK_DEADLINE (seconds) sets both.
+_PAGE_DEADLINE = 120
+_SLOWEST_RATE = 100_000  # bytes per second
+_PROGRESS_EVERY = 15  # seconds between progress lines when no 10% step is reached
 
 
 class IndexUnreachable(StackError):
     """The package index did not answer (offline, a proxy, a wrong URL)."""
+
+
+class _DeadlinePassed(Exception):
+    pass
+
+
+def deadline_seconds(size: int | None = None) -> float:
+    """How long one network step may take: fetching a page (`size` None) or
+    downloading `size` bytes."""
+    chosen = os.environ.get("K3_NETWORK_DEADLINE", "").strip()
+    if chosen:
+        try:
+            value = float(chosen)
+        except ValueError:
+            value = float("nan")
+        if not value > 0 or value == float("inf"):
+            raise StackError(f"K3_NETWORK_DEADLINE={chosen!r}: give a number of seconds "
+                             "(more than 0), or unset it")
+        return value
+    return _PAGE_DEADLINE + (size or 0) / _SLOWEST_RATE
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raise _DeadlinePassed in the main thread once `seconds` have passed,
+    wherever it waits (connecting, reading headers or the body)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread gets signals; its reads still time out
+        return
+
+    def expired(_signum, _frame):
+        raise _DeadlinePassed()
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def redacted(url: str) -> str:
+    """`url` with any user name and password replaced by ***, for messages."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"***@{host}"))
+
+
+def _request(url: str, credentials: dict[str, str], **headers: str) -> urllib.request.Request:
+    """A request for `url` without its credentials; those of its host (from an
+    index URL) go in an Authorization header, as pip sends them."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    credentials = {**credentials, **_credentials(url)}
+    request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=host)),
+                                     headers=headers)
+    if host in credentials and parts.scheme in ("http", "https"):
+        token = base64.b64encode(credentials[host].encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    return request
+
+
+def _credentials(url: str) -> dict[str, str]:
+    """host -> "user:password" from the URL, if it names a user."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return {}
+    return {parts.netloc.rpartition("@")[2]: f"{urllib.parse.unquote(parts.username)}:"
+            f"{urllib.parse.unquote(parts.password or '')}"}
+
+
+def _shown_seconds(seconds: float) -> str:
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:g}"
 
 
 @dataclass(frozen=True)
@@ -49,6 +143,7 @@ class IndexFile:
     url: str
     sha256: str | None
     size: int | None
+    credentials: dict[str, str] | None = None  # host -> user:password, from the index URL
 
 
 def configured_indexes() -> list[str]:
@@ -106,11 +201,12 @@ def ensure_artifact(layout: Layout, project: str, artifact: Artifact) -> Path:
                 f"the index lists {artifact.filename} with sha256 {index_file.sha256}, "
                 f"but pin.toml pins {artifact.sha256}; check pin.toml before going on"
             )
-        _download_verified(layout, index_file.url, artifact, path)
+        _download_verified(layout, index_file, artifact, path)
         return path
 
 
-def _download_verified(layout: Layout, url: str, artifact: Artifact, path: Path) -> None:
+def _download_verified(layout: Layout, index_file: IndexFile, artifact: Artifact,
+                       path: Path) -> None:
     """Download into a `.part` file of this run; only verified bytes become `path`."""
     for stale in [*path.parent.glob(f"{path.name}.part"), *path.parent.glob(f"{path.name}.*.part")]:
         stale.unlink()  # from a run that was killed: we hold the file's lock
@@ -118,7 +214,7 @@ def _download_verified(layout: Layout, url: str, artifact: Artifact, path: Path)
     os.close(fd)
     part = Path(name)
     try:
-        received = _download(url, part, artifact, layout)
+        received = _download(index_file, part, artifact, layout)
         actual = sha256_of(part)
         if received != artifact.size or actual != artifact.sha256:
             moved = _quarantine(layout, part, artifact)
@@ -138,6 +234,7 @@ def _download_verified(layout: Layout, url: str, artifact: Artifact, path: Path)
 
 def find_in_index(project: str, filename: str) -> IndexFile:
     """Look `filename` up on each configured index (PEP 691 JSON, else PEP 503 HTML)."""
+    deadline_seconds()  # a bad K3_NETWORK_DEADLINE is named before anything is fetched
     unreachable, missing = [], []
     for index in configured_indexes():
         try:
@@ -161,6 +258,7 @@ def find_in_index(project: str, filename: str) -> IndexFile:
 def _not_listed(index: str, project: str, filename: str, files: list[IndexFile]) -> str:
     version = filename[len(project) + 1:].split("-")[0].removesuffix(".tar.gz")
     versions = release_versions(files)
+    index = redacted(index)
     if version in versions:
         return f"{index} has vLLM {version} but no file {filename} for {project}"
     newest = f"the newest is {newest_version(versions)}" if versions else "it lists none"
@@ -189,33 +287,68 @@ def index_needed(what: str, error: StackError) -> StackError:
 
 def list_project_files(index: str, project: str) -> list[IndexFile]:
     url = f"{index}/{project}/"
-    request = urllib.request.Request(url, headers={
-        "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
+    shown = redacted(url)
+    if urllib.parse.urlsplit(index).scheme == "file":
+        return _local_project_files(url)
+    credentials = _credentials(index)
+    request = _request(url, credentials,
+                       Accept="application/vnd.pypi.simple.v1+json, text/html;q=0.1")
+    seconds = deadline_seconds()
+    waited = _shown_seconds(seconds)
+    say(f"reading the package index page {shown} (gives up after {waited} s)")
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with _deadline(seconds), urllib.request.urlopen(request, timeout=_READ_TIMEOUT) \
+                as response:
             body = response.read(_MAX_PAGE + 1)
             content_type = response.headers.get("Content-Type", "")
             base = response.geturl()
+    except _DeadlinePassed:
+        raise IndexUnreachable(f"{shown}: no complete answer within {waited} s "
+                               "(K3_NETWORK_DEADLINE sets how long to wait)")
     except urllib.error.HTTPError as e:
         if e.code == 404:  # the index answered: it has no such project
-            raise StackError(f"{url}: {e.code} {e.reason}")
-        raise IndexUnreachable(f"{url}: {e.code} {e.reason}")
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise IndexUnreachable(f"{url}: {getattr(e, 'reason', e)}")
+            raise StackError(f"{shown}: {e.code} {e.reason}")
+        raise IndexUnreachable(f"{shown}: {e.code} {e.reason}")
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
+        reason = str(getattr(e, "reason", e)).replace(url, shown)
+        raise IndexUnreachable(f"{shown}: {redacted(reason)}")
     if len(body) > _MAX_PAGE:
-        raise StackError(f"{url}: the page is larger than {_MAX_PAGE >> 20} MB; that is "
+        raise StackError(f"{shown}: the page is larger than {_MAX_PAGE >> 20} MB; that is "
                          "not a package index page")
+    return _project_files(shown, base, content_type, body, credentials)
+
+
+def _local_project_files(url: str) -> list[IndexFile]:
+    """A `file://` index, as pip reads one: a project folder's index.html."""
+    folder = Path(urllib.request.url2pathname(urllib.parse.urlsplit(url).path))
+    page = folder / "index.html" if folder.is_dir() else folder
+    try:
+        body = read_regular(page, "a file:// index holds <project>/index.html pages",
+                            follow_links=True)
+    except FileNotFoundError:
+        raise StackError(f"{url}: no {page} (a file:// index holds one folder per project "
+                         "with an index.html, as pip reads it)")
+    return _project_files(url, page.as_uri(), "text/html", body, {})
+
+
+def _project_files(shown: str, base: str, content_type: str, body: bytes,
+                   credentials: dict[str, str]) -> list[IndexFile]:
     try:
         if "json" in content_type:
-            return [_json_file(base, f) for f in json.loads(body)["files"]]
+            files = [_json_file(base, f) for f in json.loads(body)["files"]]
+        else:
+            files = _html_files(base, body.decode("utf-8", "replace"))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise StackError(f"{url}: not a PEP 691 project page ({e!r})")
-    return _html_files(base, body.decode("utf-8", "replace"))
+        raise StackError(f"{shown}: not a PEP 691 project page ({e!r})")
+    return [IndexFile(f.filename, f.url, f.sha256, f.size, credentials) for f in files]
 
 
 def _json_file(base: str, entry: dict) -> IndexFile:
+    size = entry.get("size")
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+        raise ValueError(f"size {size!r} of {entry.get('filename')!r}")
     return IndexFile(entry["filename"], urllib.parse.urljoin(base, entry["url"]),
-                     entry.get("hashes", {}).get("sha256"), entry.get("size"))
+                     entry.get("hashes", {}).get("sha256"), size)
 
 
 class _Anchors(html.parser.HTMLParser):
@@ -245,26 +378,40 @@ def _html_files(base: str, page: str) -> list[IndexFile]:
     return files
 
 
-def _download(url: str, part: Path, artifact: Artifact, layout: Layout) -> int:
-    """Stream `url` into `part`, stopping once past the expected size; return the
-    number of bytes received."""
-    say(f"downloading {artifact.filename} ({artifact.size / 1e6:.1f} MB)")
+def _download(index_file: IndexFile, part: Path, artifact: Artifact, layout: Layout) -> int:
+    """Stream the file into `part`, stopping once past the expected size or the
+    deadline; return the number of bytes received."""
+    url, shown = index_file.url, redacted(index_file.url)
+    seconds = deadline_seconds(artifact.size)
+    waited = _shown_seconds(seconds)
+    say(f"downloading {artifact.filename} ({artifact.size / 1e6:.1f} MB; gives up after "
+        f"{waited} s)")
     received = 0
+    request = _request(url, index_file.credentials or {})
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as out:
+        with _deadline(seconds), \
+                urllib.request.urlopen(request, timeout=_READ_TIMEOUT) as response, \
+                open(part, "wb") as out:
             progress = _Progress(artifact.size)
-            while chunk := response.read(_CHUNK):
+            # read1: whatever has arrived, so progress shows even at a trickle
+            while chunk := response.read1(_CHUNK):
                 out.write(chunk)
                 received += len(chunk)
                 if received > artifact.size:
                     break  # an index must not be able to fill the disk
                 progress.update(len(chunk))
             progress.done()
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
+    except _DeadlinePassed:
         raise StackError(
-            f"download of {artifact.filename} from {url} failed: "
-            f"{getattr(e, 'reason', e)!r}. The partial file is never used; run the "
-            "command again to retry, or put the file in "
+            f"download of {artifact.filename} from {shown} stopped: {received} of "
+            f"{artifact.size} bytes in {waited} s (K3_NETWORK_DEADLINE sets how long "
+            "to wait). The partial file is never used; run the command again to retry, or "
+            f"put the file in {rel(layout.downloads_dir, layout)}/ by hand.")
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
+        reason = redacted(str(getattr(e, "reason", e)).replace(url, shown))
+        raise StackError(
+            f"download of {artifact.filename} from {shown} failed: {reason}. The partial "
+            "file is never used; run the command again to retry, or put the file in "
             f"{rel(layout.downloads_dir, layout)}/ by hand."
         )
     return received
@@ -276,7 +423,7 @@ class _Progress:
     def __init__(self, total: int) -> None:
         self.total, self.seen, self.start = total, 0, time.monotonic()
         self.tty = sys.stderr.isatty()
-        self.next_mark, self.last_draw = 10, 0.0
+        self.next_mark, self.last_draw = 10, self.start
 
     def update(self, n: int) -> None:
         self.seen += n
@@ -285,8 +432,10 @@ class _Progress:
         if self.tty and now - self.last_draw > 0.2:
             self.last_draw = now
             sys.stderr.write(f"\r  {self._line(percent)}")
-        elif not self.tty and percent >= self.next_mark:
+        elif not self.tty and (percent >= self.next_mark
+                               or now - self.last_draw > _PROGRESS_EVERY):
             self.next_mark = (int(percent) // 10 + 1) * 10
+            self.last_draw = now
             sys.stderr.write(f"  {self._line(percent)}\n")
 
     def done(self) -> None:

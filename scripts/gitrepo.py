@@ -14,6 +14,7 @@ import shutil
 import tarfile
 import tempfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from scripts.common import Layout, StackError, discard, rel, run, say
@@ -42,6 +43,19 @@ __pycache__/
 _SKIP_FROM_RELEASE = ("vllm.egg-info",)
 
 
+class DamagedRepo(StackError):
+    """A repository whose objects, refs or index git cannot read."""
+
+
+# What git says when the repository itself is damaged (not the command).
+_DAMAGE = re.compile(
+    r"object file \S+ is empty|loose object \S+ .*is corrupt|packed object \S+ .*is corrupt"
+    r"|inflate: data stream error|unable to (?:read|unpack) [0-9a-f]{40}"
+    r"|index file (?:smaller than expected|corrupt)|bad index file|bad signature 0x"
+    r"|bad object (?:HEAD|[0-9a-f]{40})|packfile \S+ cannot be accessed"
+    r"|appears to be broken|unable to parse object")
+
+
 def git(tree: Path, *args: str, env: dict | None = None, check: bool = True,
         input: str | None = None, text: bool = True):
     """Run git in `tree`, and only there.
@@ -49,6 +63,8 @@ def git(tree: Path, *args: str, env: dict | None = None, check: bool = True,
     Git looks for a repository in the parent folders when `tree` has none (or
     a damaged one); the project itself is one. The ceiling stops that search,
     so a command meant for build/vllm can never run on the project's history.
+    A damaged repository is reported as such (DamagedRepo), whatever the
+    command and even where the caller takes a failure as an answer.
     """
     ceiling = {"GIT_CEILING_DIRECTORIES": str(Path(tree).resolve().parent)}
     # A fixed committer: the machine may have no git identity (CI), and commit
@@ -57,7 +73,10 @@ def git(tree: Path, *args: str, env: dict | None = None, check: bool = True,
                  check=False, input=input, text=text)
     err = result.stderr if text else result.stderr.decode(errors="replace")
     if result.returncode == 128 and "not a git repository" in err and (tree / ".git").exists():
-        raise StackError(damaged_message(tree, err.strip()))
+        raise DamagedRepo(damaged_message(tree, err.strip()))
+    if result.returncode != 0 and (damage := _DAMAGE.search(err)):
+        line = next(ln for ln in err.splitlines() if damage.group() in ln)
+        raise DamagedRepo(damaged_message(tree, line.strip()))
     if check and result.returncode != 0:
         out = result.stdout if text else result.stdout.decode(errors="replace")
         raise StackError(f"command failed ({result.returncode}): git -C {tree} "
@@ -322,8 +341,55 @@ def remove_stale_git_locks(tree: Path) -> list[str]:
 
 
 def dirty_files(tree: Path) -> list[str]:
-    out = git(tree, "status", "--porcelain", "--untracked-files=all").stdout
-    return [line[3:] for line in out.splitlines()]
+    # -z: paths as they are (no quoting), each entry ended by NUL; a rename
+    # entry is followed by its source path.
+    fields = git(tree, "status", "--porcelain", "-z", "--untracked-files=all").stdout.split("\0")
+    paths, rest = [], iter(fields)
+    for entry in rest:
+        if entry:
+            paths.append(entry[3:])
+            if entry[0] in "RC":
+                next(rest, None)
+    return paths
+
+
+def ignored_files(tree: Path) -> list[str]:
+    """Untracked files that git ignores (vLLM's .gitignore and the tooling's
+    excludes), each file listed, not their folders."""
+    fields = git(tree, "status", "--porcelain", "-z", "--ignored",
+                 "--untracked-files=all").stdout.split("\0")
+    return [entry[3:] for entry in fields if entry.startswith("!! ")]
+
+
+def build_outputs(tree: Path) -> set[str]:
+    """The ignored files that the tooling's own excludes (_EXCLUDES, the outputs
+    of a python-only build and of pytest) cover."""
+    out = git(tree, "ls-files", "-z", "--others", "--ignored",
+              "--exclude-from=.git/info/exclude").stdout
+    return set(filter(None, out.split("\0")))
+
+
+@dataclass(frozen=True)
+class Worktree:
+    path: Path
+    branch: str | None  # None: a detached HEAD
+    missing: bool  # its folder is gone (moved, or deleted without `git worktree remove`)
+
+
+def other_worktrees(tree: Path) -> list[Worktree]:
+    """The worktrees of `tree` other than itself, from `git worktree list -z`
+    (paths may hold any byte, newlines included)."""
+    out = git(tree, "worktree", "list", "--porcelain", "-z").stdout
+    found = []
+    # One record per worktree, its lines ended by NUL, the record by one more NUL.
+    for record in out.split("\0\0")[1:]:  # the first is `tree` itself
+        fields = dict(line.partition(" ")[::2] for line in record.split("\0") if line)
+        if "worktree" not in fields:
+            continue
+        branch = fields.get("branch", "").removeprefix("refs/heads/") or None
+        path = Path(fields["worktree"])
+        found.append(Worktree(path, branch, "prunable" in fields or not path.exists()))
+    return found
 
 
 def commits_since(tree: Path, base: str) -> list[str]:

@@ -213,7 +213,13 @@ def _tracked_files(source: Path, tree: TreeSpec) -> set[str]:
 
 
 def _show(source: Path, tree: TreeSpec, path: str) -> str:
-    return git(source, "show", f"{tree.commit}:{path}").stdout
+    data = git(source, "show", f"{tree.commit}:{path}", text=False).stdout
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StackError(f"tree {tree.label} ({tree.rev}): {path} is not UTF-8 (byte "
+                         f"{e.start}); Python source must be, so it cannot be benchmarked "
+                         "at that revision")
 
 
 def module_path(module: str, tracked: set[str]) -> str | None:

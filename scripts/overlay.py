@@ -8,16 +8,27 @@ or source tree, after checking every target file against the manifest.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from scripts.common import Layout, StackError, rel, say
+from scripts.common import (
+    Layout,
+    StackError,
+    read_regular,
+    real_folders,
+    rel,
+    say,
+    warn,
+    write_atomically,
+)
 from scripts.gitrepo import git, read_state
 from scripts.pin import Pin
 
@@ -77,15 +88,39 @@ def render(tree: Path, pin: Pin, base: str, result: str,
     return files
 
 
-def current_files(overlay_dir: Path) -> dict[str, bytes]:
-    if not overlay_dir.exists():
+@dataclass(frozen=True)
+class NotRegular:
+    """What stands in vllm_overlay/ where a file belongs, if it is not a regular
+    file (a symlink, say): never equal to any file's bytes."""
+
+    kind: str
+
+
+def current_files(overlay_dir: Path) -> dict[str, bytes | NotRegular]:
+    """Every entry of the overlay below its folders: a regular file's bytes, else
+    what it is. Links are never followed (a link to a file outside the project
+    must not pass for the file it points to)."""
+    if not overlay_dir.is_dir() or overlay_dir.is_symlink():
         return {}
-    return {p.relative_to(overlay_dir).as_posix(): p.read_bytes()
-            for p in sorted(overlay_dir.rglob("*")) if p.is_file() or p.is_symlink()}
+    found: dict[str, bytes | NotRegular] = {}
+    for folder, dirnames, filenames in os.walk(overlay_dir):
+        for name in sorted(filenames + dirnames):
+            path = Path(folder) / name
+            mode = os.lstat(path).st_mode
+            if stat.S_ISDIR(mode):
+                continue  # walked into (os.walk does not follow links to folders)
+            relpath = path.relative_to(overlay_dir).as_posix()
+            found[relpath] = (read_regular(path, _REGENERATE) if stat.S_ISREG(mode) else
+                              NotRegular("symlink" if stat.S_ISLNK(mode) else "special file"))
+    return found
 
 
 def write(layout: Layout, files: dict[str, bytes]) -> bool:
-    """Make vllm_overlay/ hold exactly `files`; return True if anything changed."""
+    """Make vllm_overlay/ hold exactly `files`; return True if anything changed.
+
+    Each file is replaced whole (written next to it, then renamed): a symlink
+    in the overlay is replaced too, never written through.
+    """
     old = current_files(layout.overlay_dir)
     if old == files:
         return False
@@ -94,10 +129,10 @@ def write(layout: Layout, files: dict[str, bytes]) -> bool:
     for path, content in files.items():
         if old.get(path) != content:
             target = layout.overlay_dir / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
+            real_folders(layout.root, target.parent)
+            write_atomically(target, content)
     for d in sorted(layout.overlay_dir.rglob("*"), reverse=True):
-        if d.is_dir() and not any(d.iterdir()):
+        if d.is_dir() and not d.is_symlink() and not any(d.iterdir()):
             d.rmdir()
     return True
 
@@ -151,6 +186,11 @@ def _entries(overlay_dir: Path, manifest: dict) -> list[Entry]:
                 or parts[0] == MANIFEST):
             raise StackError(f"overlay entry {e.path!r} would be written outside "
                              "the target; refusing to install anything")
+        # A .git folder's config and hooks run code; no vLLM file lives there
+        # (file systems may fold case: .GIT is the same folder).
+        if ".git" in (part.lower() for part in parts):
+            raise StackError(f"overlay entry {e.path!r} would be written into a .git "
+                             "folder; refusing to install anything")
         source = overlay_dir / e.path
         if e.patched_sha256 != DELETED:
             if source.is_symlink() or not source.is_file():
@@ -201,10 +241,10 @@ def install(overlay_dir: Path, target: Path, dry_run: bool = False) -> None:
         raise StackError(f"{target}: holds vLLM {have}, the overlay is for vLLM "
                          f"{want}; nothing was written")
     source_tree = (target / "pyproject.toml").is_file()
+    entries = [e for e in entries if source_tree or PurePosixPath(e.path).parts[0] == "vllm"]
+    _recover_interrupted_install(target, entries, dry_run)
     todo, done, problems = [], [], []
     for e in entries:
-        if not source_tree and PurePosixPath(e.path).parts[0] != "vllm":
-            continue
         dest = target / e.path
         if not _inside(target, dest):
             problems.append(f"{e.path}: resolves outside the target (symlink)")
@@ -234,6 +274,55 @@ def install(overlay_dir: Path, target: Path, dry_run: bool = False) -> None:
     _Install(overlay_dir, target).run(todo)
     say(f"overlay: installed {len(todo)} file(s) into {target}"
         + (f"; {len(done)} were already in place" if done else ""))
+
+
+def _leftovers(dest: Path, role: str) -> list[Path]:
+    """The `_sibling` files of `dest` with `role` that a killed install left."""
+    pattern = f".{glob.escape(dest.name)}.*.k3-{role}"
+    return sorted(dest.parent.glob(pattern)) if dest.parent.is_dir() else []
+
+
+def _sha256_or_none(path: Path) -> str | None:
+    return sha256_bytes(path.read_bytes()) if path.is_file() and not path.is_symlink() else None
+
+
+def _recover_interrupted_install(target: Path, entries: list[Entry], dry_run: bool) -> None:
+    """Undo what an install that was killed (SIGKILL, power loss) between its
+    renames left: staged `.k3-new` files are removed, and an original kept
+    aside as `.k3-old` goes back where its file is missing. Then the install
+    proceeds from a target whose files are each pristine or already patched.
+    Only files named like `_sibling`'s are touched, and an original only when
+    it has the manifest's pristine hash."""
+    restored, removed, unknown = [], [], []
+    for e in entries:
+        dest = target / e.path
+        staged = _leftovers(dest, "new")
+        kept = _leftovers(dest, "old")
+        if dry_run:
+            unknown += staged + kept
+            continue
+        for path in staged:
+            path.unlink()
+            removed.append(path)
+        for path in kept:
+            digest = _sha256_or_none(path)
+            if digest == e.pristine_sha256 and not os.path.lexists(dest):
+                os.replace(path, dest)
+                restored.append(dest)
+            elif digest == e.pristine_sha256 or path.stat().st_size == 0:
+                # The original whose replacement was already in place, or the
+                # empty placeholder of a rename that never happened.
+                path.unlink()
+                removed.append(path)
+            else:
+                unknown.append(path)
+    if restored or removed:
+        say(f"overlay: an earlier install into {target} was interrupted; restored "
+            f"{len(restored)} original file(s), removed {len(removed)} leftover file(s)")
+    if unknown:
+        warn(f"{target} holds file(s) that an interrupted install left: "
+             + ", ".join(str(p) for p in unknown[:5])
+             + ("" if not dry_run else "; the install (without --dry-run) tidies them up"))
 
 
 class _Install:
@@ -282,7 +371,7 @@ class _Install:
         self._make_folders(dest.parent)
         new = _sibling(dest, "new")
         self.staged[dest] = new
-        new.write_bytes((self.overlay_dir / e.path).read_bytes())
+        new.write_bytes(read_regular(self.overlay_dir / e.path, _REGENERATE))
         if dest.exists():
             shutil.copymode(dest, new)
         else:
@@ -290,9 +379,13 @@ class _Install:
 
     def _swap(self, dest: Path, new: Path | None) -> None:
         replaced = None
-        if dest.exists():
+        if os.path.lexists(dest):
             replaced = _sibling(dest, "old")
-            os.replace(dest, replaced)
+            try:
+                os.replace(dest, replaced)
+            except BaseException:
+                replaced.unlink()  # the empty placeholder: `dest` was not moved
+                raise
         self.swapped.append((dest, replaced))
         if new is not None:
             os.replace(new, dest)

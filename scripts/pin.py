@@ -7,12 +7,15 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.common import StackError
+from scripts.common import StackError, read_regular
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # A public PEP 440 version as vLLM publishes them: 0.33.0, 0.34.0rc1, 0.10.1.post1.
 _VERSION = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?")
 _FIX = "fix pin.toml (`git diff pin.toml` shows what changed)"
+# A tag git takes as a tag and as nothing else: not an option ("-f"), not a
+# name git gives a meaning of its own ("HEAD"), no `..`, no `.lock` ending.
+_TAG = re.compile(r"(?!HEAD$)(?!.*\.\.)(?!.*\.lock$)[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 @dataclass(frozen=True)
@@ -45,15 +48,21 @@ def check_version(version: str, where: str, next_step: str) -> str:
 
 def load_pin(path: Path) -> Pin:
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(read_regular(path, _FIX, follow_links=True).decode("utf-8"))
     except FileNotFoundError:
         raise StackError(f"{path}: pin file missing (it names the vLLM release)")
+    except UnicodeDecodeError as e:
+        raise StackError(f"{path}: not UTF-8 text (byte {e.start}); {_FIX}")
     except tomllib.TOMLDecodeError as e:
         raise StackError(f"{path}: not valid TOML: {e}; {_FIX}")
     fields = _Fields(path, data)
     version = check_version(fields.text("vllm", "version"), f"{path}: vllm.version", _FIX)
-    pin = Pin(version, fields.text("vllm", "commit"), fields.text("vllm", "base_tag"),
+    base_tag = fields.text("vllm", "base_tag")
+    if not _TAG.fullmatch(base_tag):
+        raise StackError(f"{path}: vllm.base_tag {base_tag!r} is not a plain tag name (like "
+                         f"vllm-{version}: letters, digits, '.', '_', '-', not starting with "
+                         f"'-'); {_FIX}")
+    pin = Pin(version, fields.text("vllm", "commit"), base_tag,
               sdist=_artifact(fields, "sdist"), wheel=_artifact(fields, "wheel"))
     if pin.version not in pin.sdist.filename or pin.version not in pin.wheel.filename:
         raise StackError(f"{path}: artifact file names do not match version {pin.version}; "
@@ -79,10 +88,18 @@ class _Fields:
         return node
 
     def text(self, table: str, key: str) -> str:
-        return self._value(table, key, str, "a string")
+        value = self._value(table, key, str, "a string")
+        if not value.isprintable():  # a NUL, a newline: nothing pin.toml names has one
+            raise StackError(f"{self.path}: {table}.{key} {value!r} holds a control "
+                             f"character; {_FIX}")
+        return value
 
     def number(self, table: str, key: str) -> int:
-        return self._value(table, key, int, "an integer")
+        value = self._value(table, key, int, "an integer")
+        if value <= 0:
+            raise StackError(f"{self.path}: {table}.{key} must be a positive integer, not "
+                             f"{value}; {_FIX}")
+        return value
 
 
 def _artifact(fields: _Fields, kind: str) -> Artifact:

@@ -78,7 +78,10 @@ class PrefixTrees:
 
 def is_prefix_worktree(layout: Layout, path: Path) -> bool:
     """Whether `path` is one of make test's prefix worktrees (they come and go)."""
-    return path.resolve().parent == (layout.build_dir / WORKTREES).resolve()
+    folders = {(layout.build_dir / name).resolve() for name in (WORKTREES, "prefix-tree")}
+    resolved = path.resolve()
+    # build/prefix-tree: where earlier versions kept their one worktree
+    return resolved.parent in folders or resolved in folders
 
 
 def python_path(layout: Layout, worktree: Path) -> str:

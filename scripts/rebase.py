@@ -13,13 +13,14 @@ from __future__ import annotations
 import re
 
 from scripts import stack
-from scripts.common import Layout, StackError, rel, say
+from scripts.common import Layout, StackError, rel, say, write_atomically
 from scripts.fetch import IndexUnreachable, ensure_artifact, find_in_index, index_needed
 from scripts.gitrepo import (
     BRANCH,
     TOOL_IDENTITY,
     am_in_progress,
     commits_since,
+    dirty_files,
     git,
     head,
     import_release,
@@ -30,7 +31,7 @@ from scripts.gitrepo import (
     write_state,
 )
 from scripts.pin import Artifact, Pin, check_version, load_pin, render_pin
-from scripts.series import read_series
+from scripts.series import read_series, touched_paths
 
 _AM_3WAY = [*stack.AM, "--3way"]
 # A new release's files may be at most this many times the size of the pinned
@@ -73,7 +74,9 @@ def _start(layout: Layout, version: str) -> dict:
     git(tree, "branch", "-f", f"{BRANCH}-{old.version}", BRANCH)
     git(tree, "checkout", "-q", "-B", f"rebase-{version}", commit)
     progress = {"pin": _pin_dict(new), "patches": [p.name for p in read_series(layout)],
-                "next": 0, "three_way": [], "old_branch": f"{BRANCH}-{old.version}"}
+                "next": 0, "three_way": [], "old_branch": f"{BRANCH}-{old.version}",
+                # patches/ as the rebase read it: what its export may overwrite
+                "synced": stack.patches_snapshot(layout)}
     write_state(tree, rebase=progress, status="rebasing")
     say(f"rebasing {len(progress['patches'])} patch(es) from vLLM {old.version} onto "
         f"{version} (3-way merge allowed; old stack kept as {progress['old_branch']})")
@@ -102,21 +105,43 @@ def pin_for(old: Pin, version: str) -> Pin:
     return Pin(version, "unknown", f"vllm-{version}", artifact(old.sdist), artifact(old.wheel))
 
 
+def _reflog_length(tree) -> int:
+    """How many times HEAD has moved or been reset (`git am --abort` counts too)."""
+    return int(git(tree, "rev-list", "--walk-reflogs", "--count", "HEAD").stdout.strip() or 0)
+
+
 def _resume(layout: Layout, progress: dict) -> None:
-    """Go on after a stop: finish the resolved `git am`, or note a skipped patch."""
-    tree = layout.tree
+    """Go on after a stop: finish the resolved `git am`, or note a skipped patch.
+
+    Only `git am --skip` drops a patch. It leaves HEAD and its reflog as they
+    were at the stop; `git am --abort` (which `make apply` suggests) also
+    leaves HEAD there but adds a reflog entry: then the patch is applied again.
+    """
+    tree, where = layout.tree, rel(layout.tree, layout)
     if progress.get("am_running"):
         _undo_killed_am(layout, progress)
         return
+    if progress["next"] >= len(progress["patches"]):
+        return  # every patch is on the new release; only the finish is left
     if am_in_progress(tree):
         result = git(tree, "am", "--continue", env=TOOL_IDENTITY, check=False)
         if result.returncode != 0:
             _stop(layout, progress, result.stdout + result.stderr)
     applied = len(commits_since(tree, progress["pin"]["base_tag"]))
-    if applied == progress["next"]:
-        name = progress["patches"].pop(progress["next"])
+    name = progress["patches"][progress["next"]]
+    if applied == progress["next"] and (dirty := dirty_files(tree)):
+        raise StackError(
+            f"{where} has uncommitted changes but no `git am` in progress: "
+            + ", ".join(dirty[:5]) + f". Discard them (`git -C {where} reset --hard`) "
+            f"and run `make rebase VLLM_VERSION={progress['pin']['version']}` again: it "
+            f"applies {name} again.")
+    if applied == progress["next"] and _reflog_length(tree) != progress.get("stopped_reflog"):
+        say(f"  the `git am` of {name} was undone (`git am --abort`, say), not skipped: "
+            f"applying it again (to drop it, `git -C {where} am --skip` at its stop)")
+    elif applied == progress["next"]:
+        progress["patches"].pop(progress["next"])
         progress.setdefault("dropped", []).append(name)
-        say(f"  dropped {name} (skipped during the rebase)")
+        say(f"  dropped {name} (skipped with `git am --skip` during the rebase)")
     else:
         say(f"  [{applied}/{len(progress['patches'])}] resolved "
             f"{progress['patches'][applied - 1]}")
@@ -132,6 +157,11 @@ def _undo_killed_am(layout: Layout, progress: dict) -> None:
     removed = remove_stale_git_locks(tree)
     if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
         git(tree, "am", "--quit")  # killed before its state was complete
+    # The killed am may have created some of the patch's files: remove them if
+    # untracked (only those: other untracked files may be the user's).
+    name = progress["patches"][progress["next"]]
+    if paths := touched_paths(name, (layout.patches_dir / name).read_bytes()):
+        git(tree, "clean", "-q", "-f", "--", *paths, env={"GIT_LITERAL_PATHSPECS": "1"})
     progress["am_running"] = False
     write_state(tree, rebase=progress)
     say(f"  the last `make rebase` was killed while applying "
@@ -145,6 +175,8 @@ def _apply_remaining(layout: Layout, progress: dict) -> None:
     while progress["next"] < len(names):
         name = names[progress["next"]]
         patch = layout.patches_dir / name
+        # Its bytes as applied now: an edit made during the rebase is taken in.
+        progress["synced"][name] = stack.patches_snapshot(layout).get(name)
         write_state(tree, rebase={**progress, "am_running": True})
         result = git(tree, *_AM_3WAY, str(patch.resolve()), env=TOOL_IDENTITY, check=False)
         write_state(tree, rebase=progress)
@@ -161,6 +193,8 @@ def _apply_remaining(layout: Layout, progress: dict) -> None:
 
 def _stop(layout: Layout, progress: dict, output: str) -> None:
     tree, where = layout.tree, rel(layout.tree, layout)
+    progress["stopped_reflog"] = _reflog_length(tree)
+    write_state(tree, rebase=progress)
     name = progress["patches"][progress["next"]]
     version = progress["pin"]["version"]
     conflicted = git(tree, "diff", "--name-only", "--diff-filter=U").stdout.split()
@@ -184,12 +218,16 @@ def _stop(layout: Layout, progress: dict, output: str) -> None:
 def _finish(layout: Layout, progress: dict) -> None:
     tree = layout.tree
     new = _pin_from_dict(progress["pin"])
+    # Before anything changes: the export at the end must not overwrite patches/
+    # edited since the rebase read them.
+    stack.refuse_overwriting_edits(layout, stack.rendered_stack(layout, new.base_tag),
+                                   synced=progress.get("synced"))
     git(tree, "checkout", "-q", "-B", BRANCH, head(tree))
     git(tree, "branch", "-q", "-D", f"rebase-{new.version}")
-    layout.pin_file.write_text(render_pin(new))
+    write_atomically(layout.pin_file, render_pin(new).encode())
     write_state(tree, base_tag=new.base_tag, base_sdist_sha256=new.sdist.sha256,
                 base_commit=git(tree, "rev-parse", new.base_tag).stdout.strip(),
-                rebase=None, status="applied")
+                rebase=None, status="applied", synced=progress.get("synced"))
     stack.export_patches(layout)
     merged = progress["three_way"]
     say(f"rebased onto vLLM {new.version}; pin.toml updated"

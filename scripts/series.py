@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import email
-import email.policy
 import hashlib
 import os
 import re
@@ -11,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from scripts.common import FORBIDDEN_PATHS, Layout, StackError, rel
+from scripts.common import FORBIDDEN_PATHS, Layout, StackError, read_regular, rel, run, shown
 from scripts.gitrepo import git
 
 SERIES_HEADER = """\
@@ -20,8 +18,6 @@ SERIES_HEADER = """\
 """
 # vLLM's PR title rule, e.g. "[ROCm][Model] Add ...".
 TITLE_RE = re.compile(r"^(\[[^][]+\])+ +[^\s].*$")
-_DIFF_PATH_RE = re.compile(r"^diff --git a/(.+) b/(.+)$")
-_PATH_LINE_RE = re.compile(r"^(?:rename|copy) (?:from|to) (.+)$")
 _MIN_RATIONALE_WORDS = 15
 # What a patch may leave in the tree: regular files, executable or not.
 _REGULAR_MODES = {"100644", "100755"}
@@ -42,29 +38,57 @@ class Patch:
         return self.path.name
 
     def read(self) -> bytes:
-        return self.path.read_bytes()
+        # Not through a link: a patch file's bytes are applied and exported for
+        # upstream, so they must be the file in patches/, not one it points to.
+        return read_regular(self.path, "patches/ must hold the patch files themselves")
 
 
-def read_series(layout: Layout) -> list[Patch]:
-    """The patches named by the series file, each checked to exist and be safe."""
-    if not layout.series_file.exists():
-        raise StackError(f"{rel(layout.series_file, layout)} is missing; create it "
+def series_names(layout: Layout) -> list[str]:
+    """The file names the series lists, checked for form only (see read_series)."""
+    return [name for _, name in _series_lines(layout)]
+
+
+def _series_lines(layout: Layout) -> list[tuple[int, str]]:
+    """(line number, file name) per patch line of the series file."""
+    series = layout.series_file
+    if not series.exists():
+        raise StackError(f"{rel(series, layout)} is missing; create it "
                          "(an empty file is an empty stack)")
-    names: list[str] = []
-    for lineno, raw in enumerate(layout.series_file.read_text().splitlines(), 1):
+    data = read_regular(series, "it must be a text file naming the patches", follow_links=True)
+    try:
+        text = data.decode("utf-8-sig")  # an editor's byte order mark is not a name
+    except UnicodeDecodeError as e:
+        raise StackError(f"{rel(series, layout)} is not UTF-8 text (byte {e.start} is "
+                         f"{data[e.start:e.start + 1]!r}); save it as UTF-8 (patch file "
+                         "names are ASCII) and run the command again")
+    lines: list[tuple[int, str]] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        where = f"{rel(layout.series_file, layout)}:{lineno}"
-        if "/" in line or line.startswith(".") or not line.endswith(".patch"):
+        where = f"{rel(series, layout)}:{lineno}"
+        if ("/" in line or line.startswith(".") or not line.endswith(".patch")
+                or not line.isprintable()):
             raise StackError(f"{where}: {line!r} is not a patch file name in patches/")
-        if line in names:
+        if line in (name for _, name in lines):
             raise StackError(f"{where}: {line} is listed twice")
-        if not (layout.patches_dir / line).is_file():
-            raise StackError(f"{where}: {line} does not exist in patches/ "
-                             "(restore it, or remove the line from the series)")
-        names.append(line)
-    return [Patch(layout.patches_dir / n) for n in names]
+        lines.append((lineno, line))
+    return lines
+
+
+def read_series(layout: Layout) -> list[Patch]:
+    """The patches named by the series file, each checked to exist as a regular file."""
+    patches = []
+    for lineno, name in _series_lines(layout):
+        path = layout.patches_dir / name
+        if not path.is_file() or path.is_symlink():
+            what = ("is a symlink" if path.is_symlink() else "is not a regular file"
+                    if os.path.lexists(path) else "does not exist")
+            raise StackError(f"{rel(layout.series_file, layout)}:{lineno}: {name} {what} in "
+                             "patches/ (restore it, or remove the line from the "
+                             "series)")
+        patches.append(Patch(path))
+    return patches
 
 
 def unlisted_files(layout: Layout, patches: list[Patch]) -> list[Path]:
@@ -94,48 +118,68 @@ def series_digest(patches: list[Patch]) -> str:
     return digest.hexdigest()
 
 
-def write_series(layout: Layout, names: list[str]) -> None:
-    layout.series_file.write_text(SERIES_HEADER + "".join(f"{n}\n" for n in names))
+def series_text(names: list[str]) -> bytes:
+    """The series file listing `names` (what `make patches` writes)."""
+    return (SERIES_HEADER + "".join(f"{n}\n" for n in names)).encode()
 
 
-def touched_paths(patch_text: str) -> list[str]:
-    """Every path a patch reads or writes: git headers and plain ---/+++ lines."""
-    paths = []
-    lines = patch_text.splitlines()
-    for line, following in zip(lines, lines[1:] + [""]):
-        if m := _DIFF_PATH_RE.match(line):
-            paths += [m.group(1), m.group(2)]
-        elif m := _PATH_LINE_RE.match(line):
-            paths.append(m.group(1))
-        elif line.startswith("--- ") and following.startswith("+++ "):
-            for header in (line, following):
-                path = header[4:].split("\t")[0]
-                if path != "/dev/null":
-                    paths.append(path[2:] if path[:2] in ("a/", "b/") else path)
+def touched_paths(name: str, patch: bytes) -> list[str]:
+    """Every path `patch` changes, as `git am` reads it.
+
+    git decides, not a pattern: it strips the first component of any prefix
+    (`x/`, `i/`, `w/`, not only `a/` and `b/`), unquotes escaped names and
+    takes a plain `---`/`+++` diff as well. `git apply --numstat` names one
+    path per file (the new one); reversed, it names the old one, which a
+    rename or deletion also changes.
+    """
+    paths: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="k3-patch-paths-") as outside_any_repo:
+        # Run outside every repository: inside one, git apply reads paths
+        # relative to the folder it runs in.
+        env = {"GIT_CEILING_DIRECTORIES": str(Path(outside_any_repo).parent)}
+        for direction in ([], ["-R"]):
+            result = run(["git", "apply", "--numstat", "-z", "--allow-empty", *direction],
+                         cwd=Path(outside_any_repo), env=env, input=patch, text=False,
+                         check=False)
+            if result.returncode != 0:
+                detail = result.stderr.decode("utf-8", "replace").strip()
+                raise StackError(f"{name}: git cannot read it as a patch ({detail}); fix "
+                                 "or regenerate it (`make patches`)")
+            # "<added>\t<deleted>\t<path>" NUL per file
+            for entry in filter(None, result.stdout.split(b"\0")):
+                path = entry.split(b"\t", 2)[2].decode("utf-8", "surrogateescape")
+                if path not in paths:
+                    paths.append(path)
     return paths
 
 
 def check_patch_paths(patch: Patch) -> None:
-    """Refuse paths outside the tree, into .git and the kernel sources.
+    check_paths(patch.name, patch.read())
+
+
+def check_paths(name: str, patch: bytes) -> None:
+    """Refuse paths outside the tree, into .git, in the kernel sources, or not UTF-8.
 
     (What a patch creates, a symlink say, is judged by `apply_to_index` from
     what git makes of it.)
     """
-    text = patch.read().decode("utf-8", "replace")
-    if re.search(r'^(?:diff --git .*"|--- "|\+\+\+ "|(?:rename|copy) (?:from|to) ")',
-                 text, re.M):
-        raise StackError(f"{patch.name}: has a quoted (escaped) path; patches must "
-                         "use plain ASCII paths")
-    for path in touched_paths(text):
-        parts = PurePosixPath(path).parts
-        if path.startswith("/") or ".." in parts or ".git" in parts:
-            raise StackError(f"{patch.name}: path {path!r} would be written outside "
-                             "the vLLM tree; refusing to apply")
-        if any(path == f or (f.endswith("/") and path.startswith(f))
-               for f in FORBIDDEN_PATHS):
-            raise StackError(
-                f"{patch.name}: touches {path}, which the prebuilt kernels of the "
-                "pinned wheel are built from; patches must not change it")
+    for path in touched_paths(name, patch):
+        if problem := path_problem(path):
+            raise StackError(f"{name}: {problem}")
+
+
+def path_problem(path: str) -> str | None:
+    """Why a patch may not change `path` (relative to the vLLM tree), or None."""
+    parts = PurePosixPath(path).parts
+    if path.startswith("/") or ".." in parts or ".git" in (p.lower() for p in parts):
+        return f"path {path!r} would be written outside the vLLM tree; refusing to apply"
+    if any(path == f or (f.endswith("/") and path.startswith(f)) for f in FORBIDDEN_PATHS):
+        return (f"touches {shown(path)}, which the prebuilt kernels of the pinned wheel are "
+                "built from; patches must not change it")
+    if not path.isprintable():  # a control character, or bytes that are not UTF-8
+        return (f"path {shown(path)} is not printable UTF-8; name the file in UTF-8 "
+                "without control characters")
+    return None
 
 
 @dataclass
@@ -183,7 +227,9 @@ def _special_files(repo: Path, patch: Patch, before: str, after: str) -> list[st
     problems = []
     for meta, path in zip(fields[0::2], fields[1::2]):
         mode = meta.split()[1]
-        if mode != "000000" and mode not in _REGULAR_MODES:
+        if problem := path_problem(path):  # what git wrote, whatever the text said
+            problems.append(f"{patch.name}: {problem}")
+        elif mode != "000000" and mode not in _REGULAR_MODES:
             kind = _SPECIAL_MODES.get(mode, f"mode {mode} entry")
             problems.append(f"{patch.name}: creates {path} as a {kind}; patches may only "
                             "add, change or delete regular files")
@@ -198,6 +244,7 @@ class Header:
 
 
 def parse_header(patch: Patch) -> Header:
+    import email.policy  # only `make check` and the export read headers; it is slow to load
     text = patch.read().decode("utf-8", "replace")
     # The message ends at the diffstat separator or, without a stat, at the diff.
     message_part = re.split(r"^(?:---$|diff --git )", text, maxsplit=1, flags=re.M)[0]

@@ -8,11 +8,13 @@ ever thrown away: the tooling refuses and says how to save or discard it.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+from pathlib import Path
 
 from scripts import overlay
-from scripts.common import Layout, StackError, rel, say, warn
-from scripts.fetch import ensure_artifact
+from scripts.common import Layout, StackError, rel, say, shown, warn, write_atomically
 from scripts.gitrepo import (
     BRANCH,
     TOOL_IDENTITY,
@@ -34,10 +36,12 @@ from scripts.series import (
     Patch,
     apply_to_index,
     check_patch_paths,
+    check_paths,
     read_series,
     series_digest,
+    series_names,
+    series_text,
     unlisted_files,
-    write_series,
 )
 
 # Byte-stable export: no commit ids, no diffstat, no git version footer.
@@ -80,20 +84,32 @@ def unexported_commits(layout: Layout, base: str) -> list[str]:
 
 
 def recover_interrupted_apply(layout: Layout) -> None:
-    """Undo what a killed `make apply` left: git's lock files and its `git am`.
+    """Undo what a killed `make apply` left: git's lock files, its `git am`, and
+    a half-done `git checkout` of the base.
 
     The state file says "applying" only while apply runs, and the project lock
-    says no apply runs now: that git was ours, and the patch it stopped at
-    came from patches/.
+    says no apply runs now: that git was ours. Before it wrote "applying",
+    apply checked that build/vllm held nothing that patches/ does not (no
+    uncommitted change, every commit exported), so whatever differs from the
+    base now is apply's own half-done work: it is reset to the base, never
+    mistaken for the user's uncommitted changes.
     """
-    tree = layout.tree
-    if read_state(tree).get("status") != "applying":
+    tree, where = layout.tree, rel(layout.tree, layout)
+    state = read_state(tree)
+    if state.get("status") != "applying":
         return
     if removed := remove_stale_git_locks(tree):
-        say(f"removed {', '.join(removed)} from {rel(tree, layout)}: left by a `make apply` "
+        say(f"removed {', '.join(removed)} from {where}: left by a `make apply` "
             "that was killed")
     if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
         git(tree, "am", "--quit")  # killed before its state was complete
+    base = state["base_tag"]
+    at_base = git(tree, "rev-parse", f"{base}^{{commit}}").stdout.strip() == head(tree)
+    if dirty_files(tree) or not at_base:
+        say(f"{where}: the last `make apply` was killed half-way; reset to {base}, from "
+            "where the series is applied again")
+    git(tree, "checkout", "-q", "-f", "-B", BRANCH, base)
+    git(tree, "clean", "-q", "-f", "-d")  # files a killed git created; never ignored ones
 
 
 def uncommitted_advice(where: str) -> str:
@@ -145,6 +161,13 @@ def guard_tree(layout: Layout, action: str) -> None:
 
 def apply(layout: Layout) -> None:
     pin = load_pin(layout.pin_file)
+    tree = layout.tree
+    if tree.exists() and not is_stack_repo(tree):
+        raise StackError(f"{rel(tree, layout)} exists but was not made by this tooling; "
+                         "move it away (nothing in it was touched) and run `make apply` again")
+    if tree.exists():
+        finish_interrupted_export(layout)
+        _follow_base_tag(layout, pin)
     patches = read_series(layout)
     for p in patches:
         check_patch_paths(p)
@@ -152,10 +175,6 @@ def apply(layout: Layout) -> None:
         if path.suffix == ".patch":
             warn(f"{rel(path, layout)} is not listed in patches/series, so it is not "
                  "applied; add it to the series or remove it")
-    tree = layout.tree
-    if tree.exists() and not is_stack_repo(tree):
-        raise StackError(f"{rel(tree, layout)} exists but was not made by this tooling; "
-                         "move it away (nothing in it was touched) and run `make apply` again")
     if tree.exists():
         guard_tree(layout, "`make apply`")
         state = read_state(tree)
@@ -168,11 +187,31 @@ def apply(layout: Layout) -> None:
             _finish(layout, pin, patches)
             return
     else:
-        sdist = ensure_artifact(layout, pin.project, pin.sdist)
+        sdist = _sdist(layout, pin)
         create_base(layout, pin, sdist)
     _refuse_special_files(layout, pin, patches)
     _apply_series(layout, pin, patches)
     _finish(layout, pin, patches)
+
+
+def _sdist(layout: Layout, pin: Pin) -> Path:
+    # Imported here: most runs need no network code (urllib, http), which would
+    # make every command start slower.
+    from scripts.fetch import ensure_artifact
+
+    return ensure_artifact(layout, pin.project, pin.sdist)
+
+
+def _follow_base_tag(layout: Layout, pin: Pin) -> None:
+    """pin.toml names another tag for the release build/vllm holds: tag its
+    release commit so, and record the tag, so no later command uses the old one."""
+    tree = layout.tree
+    state = read_state(tree)
+    if (state.get("base_sdist_sha256") == pin.sdist.sha256 and state.get("base_commit")
+            and state.get("base_tag") != pin.base_tag):
+        git(tree, "tag", "-f", pin.base_tag, state["base_commit"])
+        write_state(tree, base_tag=pin.base_tag)
+        say(f"{rel(tree, layout)}: the release is now tagged {pin.base_tag} (pin.toml)")
 
 
 def _import_base(layout: Layout, pin: Pin) -> None:
@@ -181,7 +220,7 @@ def _import_base(layout: Layout, pin: Pin) -> None:
     tree = layout.tree
     say(f"{rel(tree, layout)} holds another vLLM release; rebuilding it for {pin.version} "
         "(its branches, stashes and history stay)")
-    sdist = ensure_artifact(layout, pin.project, pin.sdist)
+    sdist = _sdist(layout, pin)
     commit = import_release(layout, pin, sdist, parent=None)
     write_state(tree, base_sdist_sha256=pin.sdist.sha256, base_tag=pin.base_tag,
                 base_commit=commit, status="base")
@@ -226,6 +265,7 @@ def _report_failed_patch(layout: Layout, patch: Patch, output: str) -> None:
 
 
 def _finish(layout: Layout, pin: Pin, patches: list[Patch]) -> None:
+    write_state(layout.tree, synced=patches_snapshot(layout))
     overlay.regenerate(layout, pin, [p.name for p in patches])
     say(f"patched tree: {layout.tree}  (branch {BRANCH}, {len(patches)} patch(es) "
         f"on {pin.base_tag})")
@@ -234,15 +274,36 @@ def _finish(layout: Layout, pin: Pin, patches: list[Patch]) -> None:
 # --- make patches: build/vllm's commits back to patches/ -------------------------
 
 
-def export_patches(layout: Layout) -> None:
-    """Write the commits on top of the base back to patches/ and the series file."""
-    pin = load_pin(layout.pin_file)
+SERIES = "series"  # the series file's entry in the state's snapshot of patches/
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha256(path: Path) -> str | None:
+    """sha256 of the regular file at `path`; None if nothing is there; for anything
+    else (a link, a folder) a marker that equals no file's sha256."""
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink() or not path.is_file():
+        return "not a regular file"
+    return _sha256(path.read_bytes())
+
+
+def patches_snapshot(layout: Layout) -> dict[str, str]:
+    """sha256 of the series file and of each patch file it lists, as build/vllm
+    holds them now (after apply or export): what a later `make patches` may
+    overwrite without losing anything. (A patch file the series does not list
+    is no part of it: someone's, kept.)"""
+    found = {name: _file_sha256(layout.patches_dir / name) for name in series_names(layout)}
+    found[SERIES] = _file_sha256(layout.series_file)
+    return {name: digest for name, digest in found.items() if digest}
+
+
+def rendered_stack(layout: Layout, base: str) -> dict[str, bytes]:
+    """The commits on `base` as patch files: name -> bytes, in order."""
     tree = layout.tree
-    if not is_stack_repo(tree):
-        raise StackError(f"{rel(tree, layout)} does not exist; run `make apply` first")
-    _guard_exportable(layout)
-    base = read_state(tree)["base_tag"]
-    old_names = [p.name for p in read_series(layout)] if layout.series_file.exists() else []
     rendered: dict[str, bytes] = {}
     for commit in commits_since(tree, base):
         subject = git(tree, "log", "-1", "--format=%s", commit).stdout.strip()
@@ -250,24 +311,101 @@ def export_patches(layout: Layout) -> None:
         if name in rendered:
             raise StackError(f"two commits would both be exported as {name}; "
                              "give one of them a different subject")
-        rendered[name] = render_commit(layout, commit)
+        content = render_commit(layout, commit)
+        # What apply and check would refuse is not exported either.
+        check_paths(f"{name} (commit {shown(subject)})", content)
+        rendered[name] = content
+    return rendered
+
+
+def refuse_overwriting_edits(layout: Layout, rendered: dict[str, bytes],
+                             synced: dict[str, str] | None = None) -> None:
+    """Refuse when writing `rendered` would overwrite a change made in patches/
+    since build/vllm last matched it (a hand edit, a pull): every file that
+    would be rewritten or deleted must still be as `make apply` or
+    `make patches` last left it. A missing file loses nothing."""
+    state = read_state(layout.tree)
+    if synced is None:
+        synced = state.get("synced")
+    old_names = series_names(layout) if layout.series_file.exists() else []
+    if synced is None:  # a state from before snapshots: the series digest tells
+        try:
+            unchanged = state.get("applied_digest") == series_digest(read_series(layout))
+        except StackError:  # a listed file deleted, say: then nothing counts as unchanged
+            unchanged = False
+        synced = patches_snapshot(layout) if unchanged else {}
+    wanted = {name: _sha256(content) for name, content in rendered.items()}
+    wanted[SERIES] = _sha256(series_text(list(rendered)))
+    edited = []
+    for name in sorted(wanted.keys() | set(old_names)):
+        path = layout.series_file if name == SERIES else layout.patches_dir / name
+        current = _file_sha256(path)
+        if current not in (None, wanted.get(name), synced.get(name)):
+            edited.append(f"patches/{name}")
+    if edited:
+        raise StackError(
+            "patches/ changed since build/vllm last matched it (a hand edit, or a pull): "
+            + ", ".join(edited) + ". `make patches` would overwrite that, so nothing was "
+            "written. To keep patches/ as it is: `make apply` (build/vllm then holds it). "
+            "To keep build/vllm's commits instead: delete the files named (git keeps what "
+            "was committed), then run `make patches` again.")
+
+
+def export_patches(layout: Layout) -> None:
+    """Write the commits on top of the base back to patches/ and the series file.
+
+    Nothing is lost to a kill: each patch file is replaced whole, the new
+    series goes in only after every file it names is written, and the files
+    it drops are removed last, as a journal in the state file says (a killed
+    run's journal is finished by the next `make patches` or `make apply`).
+    """
+    pin = load_pin(layout.pin_file)
+    tree = layout.tree
+    if not is_stack_repo(tree):
+        raise StackError(f"{rel(tree, layout)} does not exist; run `make apply` first")
+    finish_interrupted_export(layout)
+    _guard_exportable(layout)
+    rendered = rendered_stack(layout, read_state(tree)["base_tag"])
+    refuse_overwriting_edits(layout, rendered)
+    old_names = series_names(layout) if layout.series_file.exists() else []
     layout.patches_dir.mkdir(exist_ok=True)
     changed = 0
     for name, content in rendered.items():
         path = layout.patches_dir / name
-        if not path.exists() or path.read_bytes() != content:
-            path.write_bytes(content)
+        if _file_sha256(path) != _sha256(content):
+            write_atomically(path, content)
             changed += 1
-    for name in set(old_names) - rendered.keys():
-        (layout.patches_dir / name).unlink()  # still in the project's git history
-    write_series(layout, list(rendered))
+    dropped = {name: _file_sha256(layout.patches_dir / name)
+               for name in set(old_names) - rendered.keys()}
+    write_state(tree, exporting={"series": series_text(list(rendered)).decode(),
+                                 "remove": dropped})
+    finish_interrupted_export(layout, quiet=True)
     patches = read_series(layout)
     write_state(tree, status="applied", applied_head=head(tree),
-                applied_digest=series_digest(patches))
-    dropped = len(set(old_names) - rendered.keys())
+                applied_digest=series_digest(patches), synced=patches_snapshot(layout))
     say(f"exported {len(rendered)} patch(es) to {rel(layout.patches_dir, layout)}/ "
-        f"({changed} written, {dropped} removed)")
+        f"({changed} written, {len(dropped)} removed)")
     overlay.regenerate(layout, pin, list(rendered))
+
+
+def finish_interrupted_export(layout: Layout, quiet: bool = False) -> None:
+    """Finish the last step of an export, as its journal in the state file says:
+    write the new series, then remove the patch files it no longer lists (each
+    only if it still has the bytes the export saw)."""
+    tree = layout.tree
+    journal = read_state(tree).get("exporting")
+    if not journal:
+        return
+    write_atomically(layout.series_file, journal["series"].encode())
+    listed = set(series_names(layout))
+    for name, digest in journal["remove"].items():
+        path = layout.patches_dir / name
+        if name not in listed and digest and _file_sha256(path) == digest:
+            path.unlink()  # still in the project's git history, or in build/vllm's
+    write_state(tree, exporting=None)
+    if not quiet:
+        say(f"finished the export to {rel(layout.patches_dir, layout)}/ that an earlier "
+            "`make patches` began (it was interrupted)")
 
 
 def _guard_exportable(layout: Layout) -> None:

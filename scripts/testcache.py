@@ -322,15 +322,6 @@ def _slug(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
-def read_summary(layout: Layout) -> dict | None:
-    """The latest `make test` run, or None if there is none (or it is unreadable)."""
-    try:
-        summary = json.loads((layout.build_dir / RESULTS / "summary.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return summary if summary.get("format") == FORMAT else None
-
-
 def read_runs(layout: Layout) -> list[dict]:
     try:
         lines = (layout.build_dir / RESULTS / "runs.jsonl").read_text().splitlines()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -73,8 +74,39 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
     return values
 
 
+def _positive(value, option: str, upper: float | None = None):
+    """`value` if it is a number above 0 (and at most `upper`); nan and inf are not."""
+    if value is None:
+        return value
+    if not (0 < value < float("inf") and (upper is None or value <= upper)):
+        limit = f" and at most {upper:g}" if upper else ""
+        raise SystemExit(f"runbook: {option} {value}: give a number above 0{limit}")
+    return value
+
+
+def _folder(path: Path, option: str) -> Path:
+    """`path` with ~ expanded, absolute; it must be a folder if it exists."""
+    expanded = Path(os.path.expanduser(path))  # unchanged if there is no such user
+    if str(expanded).startswith("~"):
+        raise SystemExit(f"runbook: {option} {str(path)!r}: no such user's home folder")
+    if expanded.exists() and not expanded.is_dir():
+        raise SystemExit(f"runbook: {option} {str(path)!r} exists and is not a folder")
+    return expanded.resolve()
+
+
+def _words(text: str, option: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as e:  # an open quote, a trailing backslash
+        raise SystemExit(f"runbook: {option} {text!r}: {e} (quote as a shell would)")
+
+
 def config_from(layout: Layout, args: argparse.Namespace) -> Config:
     machine = MACHINES[args.machine]
+    _positive(args.port, "--port", 65535)
+    _positive(args.input_len, "--input-len")
+    _positive(args.gsm8k_limit, "--gsm8k-limit")
+    _positive(args.server_ready_timeout, "--server-ready-timeout")
     chosen = tuple(s.strip() for s in args.steps.split(",") if s.strip())
     known = steps.NAMES
     if unknown := [s for s in chosen if s not in known]:
@@ -86,14 +118,14 @@ def config_from(layout: Layout, args: argparse.Namespace) -> Config:
         if not sep or not key:
             raise SystemExit(f"runbook: --env {item!r}: expected KEY=VALUE")
         env[key] = value
-    out = (args.out or layout.build_dir / f"runbook-{machine.name}").resolve()
+    out = _folder(args.out or layout.build_dir / f"runbook-{machine.name}", "--out")
     return Config(
         machine=machine, out_dir=out, project_root=layout.root.resolve(),
         baseline_image=args.baseline_image, candidate_image=args.candidate_image,
         test_image=args.test_image,
-        model=args.model, port=args.port, hf_cache=args.hf_cache.expanduser().resolve(),
+        model=args.model, port=args.port, hf_cache=_folder(args.hf_cache, "--hf-cache"),
         engine=args.engine, steps=tuple(s for s in known if s in chosen), serve_env=env,
-        serve_args=tuple(shlex.split(args.serve_args)),
+        serve_args=_words(args.serve_args, "--serve-args"),
         output_lens=_ints(args.output_lens, "--output-lens"),
         concurrencies=_ints(args.concurrencies, "--concurrencies"),
         input_len=args.input_len, dataset_args=tuple(args.dataset_args.split()),

@@ -10,6 +10,7 @@ the temporary places.
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import hashlib
 import http.server
@@ -21,8 +22,10 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +34,9 @@ import pytest
 from scripts.pin import Artifact, Pin, render_pin
 
 REPO = Path(__file__).resolve().parents[2]  # /work/main: where `python3 -m scripts` runs
+FAULT_DIR = Path(__file__).resolve().parent / "fault"
+PYCACHE = Path(tempfile.mkdtemp(prefix="k3-tooling-pycache-"))
+atexit.register(shutil.rmtree, PYCACHE, ignore_errors=True)
 PYTHON = sys.executable  # not a pyenv shim: each call costs less
 V1, V2 = "0.1.0", "0.2.0"
 AUTHOR_NAME, AUTHOR_EMAIL = "Dev One", "dev@example.com"
@@ -66,6 +72,20 @@ def test_forward():
 """
 
 
+# Lines of vLLM's own .gitignore: what it ignores may still be someone's work.
+GITIGNORE = """\
+*.so
+__pycache__/
+*.csv
+.env
+benchmarks/**/*.json
+*_hip*
+vllm/third_party/
+"""
+# A file the pinned wheel ships and the python-only build copies into the tree.
+WHEEL_COPY = ("vllm/third_party/dep/__init__.py", b"# from the wheel\n")
+
+
 def release_files(version: str, commit_id: str = "g1234567") -> dict[str, bytes]:
     """The files of a fake vLLM source release (paths under its top folder)."""
     files = {
@@ -85,6 +105,7 @@ def release_files(version: str, commit_id: str = "g1234567") -> dict[str, bytes]
         "tests/test_foo.py": TEST_FOO_V1,
         # What `make export` fills in (vLLM's own template is in data/).
         ".github/PULL_REQUEST_TEMPLATE.md": "## Purpose\n\n## Test Plan\n",
+        ".gitignore": GITIGNORE,
         "vllm.egg-info/PKG-INFO": f"Name: vllm\nVersion: {version}\n",
     }
     return {k: v.encode() for k, v in files.items()}
@@ -118,9 +139,15 @@ def make_sdist(folder: Path, version: str, files: dict[str, bytes] | None = None
 
 
 def make_wheel(folder: Path, version: str) -> Path:
+    """A wheel (a zip) with a compiled kernel and a file the build copies into the tree."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
-    path.write_bytes(hashlib.sha256(version.encode()).digest() * 64)  # 2 KiB of noise
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as wheel:
+        for name, data in (("vllm/_C.abi3.so", hashlib.sha256(version.encode()).digest() * 64),
+                           WHEEL_COPY):
+            wheel.writestr(zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0)), data)
+    path.write_bytes(buf.getvalue())
     return path
 
 
@@ -171,8 +198,10 @@ class Index:
     truncate: set[str] = field(default_factory=set)  # send half, then close
     chunked_cut: set[str] = field(default_factory=set)  # chunked, cut mid-way
     stall: float = 0.0  # seconds to pause half-way through each file (downloads overlap)
+    drip: set[str] = field(default_factory=set)  # "page" or file names: a byte at a time
     html: bool = False
     requests: list[str] = field(default_factory=list)
+    authorizations: list[str | None] = field(default_factory=list)  # per request
     port: int = 0
 
     @property
@@ -212,13 +241,28 @@ def _handler(index: Index):
         def log_message(self, *args):  # keep the test output clean
             pass
 
+        def drip(self, body: bytes) -> None:
+            """The headers, then one byte every 0.2 s (until the client gives up)."""
+            self.end_headers()
+            for i in range(len(body)):
+                try:
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.2)
+
         def do_GET(self):
             index.requests.append(self.path)
+            index.authorizations.append(self.headers.get("Authorization"))
             if self.path in ("/simple/vllm/", "/simple/vllm"):
                 ctype, body = index.page()
                 self.send_response(200)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                if "page" in index.drip:
+                    self.drip(body)
+                    return
                 self.end_headers()
                 self.wfile.write(body)
                 return
@@ -238,6 +282,9 @@ def _handler(index: Index):
                 self.close_connection = True
                 return
             self.send_header("Content-Length", str(len(data)))
+            if name in index.drip:
+                self.drip(data)
+                return
             self.end_headers()
             if name in index.truncate:
                 self.wfile.write(data[: len(data) // 2])
@@ -285,10 +332,28 @@ class Project:
         self.gitconfig = gitconfig
         self.index_url = f"http://127.0.0.1:{free_port()}/simple"  # nothing listens
         self.cache_env = True
+        self.extra_env: dict[str, str] = {}  # more variables for every command run
 
     def no_git_identity(self) -> None:
         """Model a fresh machine (CI): no user.name / user.email anywhere."""
         self.gitconfig.write_text("")
+
+    def kill_git_writing(self, pattern: str) -> None:
+        """Make every git that writes a file matching `pattern` to a work tree kill
+        its process group (a command started with `start_new_session`) at that
+        moment: a smudge filter, which git runs while it holds its locks."""
+        attributes = self.gitconfig.with_name("attributes")
+        attributes.write_text(f"{pattern} filter=k3kill\n")
+        self.gitconfig.write_text(MACHINE_GITCONFIG + f"[core]\n\tattributesFile = {attributes}\n"
+                                  "[filter \"k3kill\"]\n\tsmudge = kill -s KILL 0\n")
+
+    def killed(self, *args: str) -> None:
+        """Run `python3 -m scripts <args>` until `kill_git_writing` kills it; then
+        make git harmless again."""
+        proc = subprocess.run([PYTHON, "-m", "scripts", *args], cwd=REPO, env=self.env(),
+                              capture_output=True, start_new_session=True, timeout=60)
+        self.gitconfig.write_text(MACHINE_GITCONFIG)
+        assert proc.returncode == -9, (proc.returncode, proc.stdout, proc.stderr)
 
     # paths
     @property
@@ -321,10 +386,12 @@ class Project:
         # say `make[1]:` where the user's top-level make says `make:`.
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PIP_", "GIT_", "K3_"))
-               and k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+               and k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "PYTHONDONTWRITEBYTECODE")}
         env.update({
             "PYTHONPATH": str(REPO),
-            "PYTHONDONTWRITEBYTECODE": "1",
+            # Bytecode of scripts/ compiled once per session, kept out of the
+            # repository: each command would otherwise compile it again.
+            "PYTHONPYCACHEPREFIX": str(PYCACHE),
             "K3_PROJECT_ROOT": str(self.root),
             "PIP_INDEX_URL": self.index_url,
             # Isolate from the machine's git configuration: no identity, no hooks.
@@ -333,13 +400,23 @@ class Project:
         })
         if self.cache_env:
             env["K3_CACHE_DIR"] = str(self.cache)
+        env.update(self.extra_env)
         return env
 
-    def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        """`python3 -m scripts <args>` from the repository, as `make` runs it."""
+    def run(self, *args: str, timeout: float = 60, fault: str | None = None
+            ) -> subprocess.CompletedProcess:
+        """`python3 -m scripts <args>` from the repository, as `make` runs it; with
+        `fault`, killed or failed at an exact file operation (fault/sitecustomize.py)."""
         return subprocess.run([PYTHON, "-m", "scripts", *map(str, args)], cwd=REPO,
-                              env=self.env(), capture_output=True, text=True,
+                              env=self.fault_env(fault), capture_output=True, text=True,
                               timeout=timeout)
+
+    def fault_env(self, fault: str | None) -> dict[str, str]:
+        env = self.env()
+        if fault:
+            env["PYTHONPATH"] = f"{FAULT_DIR}{os.pathsep}{env['PYTHONPATH']}"
+            env["K3_TEST_FAULT"] = fault
+        return env
 
     def make(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """`make <args>` in the repository, as a user types it."""

@@ -17,8 +17,9 @@ def test_bench_prints_every_figure_and_leaves_the_project_alone(stacked):
         assert row in out
     assert out.count("within goal") + out.count("OVER GOAL") == 4
     assert "patches" in out and "2 files" in out
-    # The fake project has no .venv: the kernel budget is skipped, not fatal.
+    # The fake project has no .venv: the venv's reports are skipped, not fatal.
     assert "kernel budget: skipped, .venv is missing" in out
+    assert "AMD compile resources: skipped, .venv is missing" in out
     assert "make test: no run recorded yet in build/test-results/runs.jsonl" in out
     assert snapshot(stacked.root) == before
 

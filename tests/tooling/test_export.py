@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from scripts import testrun
 from scripts.common import Layout
+from scripts.testcache import FORMAT
 from tests.tooling.conftest import (
     AUTHOR,
     FOO_PATCHED,
@@ -324,3 +326,73 @@ def test_a_tree_without_the_pr_template_is_refused(series):
     assert result.returncode == 1
     assert "has no .github/PULL_REQUEST_TEMPLATE.md to fill" in result.stderr
     assert not (series.root / "build" / "export").exists()
+
+
+# --- nothing read through a link, nothing blocks, nothing left behind ----------------
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_notes_are_read_only_from_a_regular_file(series, tmp_path, kind):
+    notes = series.patches / "notes" / f"{STEMS[0]}.md"
+    notes.unlink()
+    if kind == "symlink":
+        secret = tmp_path / "secret.md"
+        secret.write_text("## Claims\n\n- the private key\n")
+        notes.symlink_to(secret)
+    else:
+        os.mkfifo(notes)  # nobody writes it: reading would block for ever
+    result = export(series)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"error: patches/notes/{STEMS[0]}.md is {'a symlink' if kind == 'symlink' else 'a FIFO'}"
+        ", not a regular file; notes must be plain files in patches/notes/; replace it with "
+        "one")
+    assert not (series.root / "build" / "export").exists()
+
+
+@pytest.mark.parametrize("content", ["{", "[]", f'{{"format": {FORMAT}, "rows": 5}}', b"\xff"])
+def test_a_damaged_test_summary_is_named(series, content):
+    path = series.root / "build" / "test-results" / "summary.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    result = export(series)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: build/test-results/summary.json is damaged")
+    assert "run `make test`" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_a_terminated_export_leaves_nothing_behind(series, tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    series.extra_env.update(TMPDIR=str(scratch), K3_SIGNOFF=SUBMITTER)
+    result = series.run("export", fault="SIGTERM open 1 in /PR.md")
+    assert result.returncode == 143, result.stderr
+    assert "terminated (SIGTERM)" in result.stderr
+    build = series.root / "build"
+    assert [p.name for p in build.iterdir() if p.name.startswith(".")] == []
+    assert list(scratch.iterdir()) == []
+    assert not (series.root / ".k3-stack.running").exists()
+    # What a SIGKILL leaves (it runs no cleanup), and a finished export, are the
+    # tooling's own to `make clean`.
+    (build / ".export-old-4242").mkdir()
+    (build / "export").mkdir()
+    result = series.ok("clean")
+    assert "alone" not in result.stderr and not build.exists()
+
+
+def test_a_commit_whose_author_is_not_utf8_is_named(series):
+    # `git commit` would re-encode the name; a commit object written whole keeps it.
+    raw = subprocess.run(["git", "cat-file", "commit", "HEAD"], cwd=series.tree,
+                         capture_output=True, check=True).stdout
+    raw = raw.replace(AUTHOR.split(" <")[0].encode(), b"D\xe9v", 1)
+    commit = subprocess.run(["git", "hash-object", "-w", "-t", "commit", "--stdin"],
+                            cwd=series.tree, input=raw, capture_output=True,
+                            check=True).stdout.decode().strip()
+    series.git("reset", "-q", "--soft", commit)
+    series.ok("patches")
+    result = export(series)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert f"{STEMS[6]}.patch: the author or message of commit" in result.stderr
+    assert "is not UTF-8 (in 'D\\udce9v <" in result.stderr

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import shutil
+
 import pytest
 
 from tests.tooling.conftest import V1, sha256_file
@@ -184,3 +187,50 @@ def test_a_cached_file_changed_after_verification_is_not_trusted(remote, index):
 def _closed_port() -> int:
     from tests.tooling.conftest import free_port
     return free_port()
+
+
+# --- every network step has a deadline; credentials are used, never shown ----------
+
+
+@pytest.mark.parametrize("where", ["page", "sdist"])
+def test_a_trickling_index_is_given_up_on_at_the_deadline(remote, index, where):
+    index.drip.add("page" if where == "page" else remote.sdist.name)
+    remote.extra_env["K3_NETWORK_DEADLINE"] = "0.5"
+    result = remote.run("fetch", timeout=30)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert "gives up after 0.5 s" in result.stdout  # said before it waits
+    assert ("no complete answer within 0.5 s" if where == "page"
+            else "stopped: ") in result.stderr
+    assert not any(name.startswith(remote.sdist.name) for name in cached(remote))
+
+
+def test_index_credentials_are_sent_to_the_index_and_never_shown(remote, index):
+    secret = "s3cr3t-t0ken"
+    remote.index_url = index.url.replace("http://", f"http://ci-user:{secret}@")
+    result = remote.ok("fetch")
+    assert secret not in result.stdout + result.stderr
+    expected = "Basic " + base64.b64encode(f"ci-user:{secret}".encode()).decode()
+    assert index.authorizations == [expected] * len(index.requests)  # page and files
+    remote.index_url = f"http://ci-user:{secret}@127.0.0.1:{_closed_port()}/simple"
+    shutil.rmtree(remote.cache)
+    result = remote.run("fetch")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and secret not in result.stderr
+    assert "http://***@127.0.0.1" in result.stderr
+
+
+def test_a_file_index_is_read_as_pip_reads_it(remote, tmp_path):
+    """pip takes `file://` index URLs: one folder per project with an index.html."""
+    simple = tmp_path / "mirror" / "simple"
+    (simple / "vllm").mkdir(parents=True)
+    links = "".join(f'<a href="../../files/{p.name}#sha256={sha256_file(p)}">{p.name}</a>\n'
+                    for p in (remote.sdist, remote.wheel))
+    (simple / "vllm" / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
+    (tmp_path / "mirror" / "files").mkdir()
+    for p in (remote.sdist, remote.wheel):
+        shutil.copy(p, tmp_path / "mirror" / "files" / p.name)
+    remote.index_url = simple.as_uri()
+    result = remote.ok("fetch")
+    assert "offline" not in result.stderr
+    assert cached(remote) == sorted([remote.sdist.name, remote.wheel.name])

@@ -329,3 +329,13 @@ def test_enough_input_sets_to_leave_the_l2_cold():
 
     assert timing.nbytes({"a": torch.zeros(4), "b": [torch.zeros(2, dtype=torch.int64)],
                           "k": 3}) == 32
+
+
+def test_a_kernel_file_that_is_not_utf8_at_a_revision_is_one_line(bench_project):
+    (bench_project.tree / "vllm/kernels/helpers.py").write_bytes(b"# caf\xe9\nBLOCK = 8\n")
+    bench_project.git("commit", "-q", "-a", "-m", "[Kernel] Latin-1")
+    result = build(bench_project, "--rev", "before=HEAD~1")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+    assert ("tree patched (HEAD): vllm/kernels/helpers.py is not UTF-8 (byte 5)"
+            in result.stderr)

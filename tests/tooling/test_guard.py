@@ -225,3 +225,30 @@ def test_apply_after_a_pull_that_changed_a_patch(stacked):
     result = stacked.run("apply")
     assert result.returncode == 0, result.stderr
     assert "return 43" in (stacked.tree / "vllm/models/new.py").read_text()
+
+
+def test_patches_never_overwrites_an_edit_made_in_patches(stacked):
+    """`make patches` writes only files that are as the last apply or export left
+    them: a hand edit or a pull is named, and either side can be taken."""
+    edited = stacked.patches / PATCH_1
+    edited.write_text(edited.read_text().replace("default block size", "default tile size"))
+    series = stacked.patches / "series"
+    series.write_text(series.read_text() + "# reviewed\n")
+    stacked.commit("[ROCm] Shout bar", {"vllm/models/bar.py": "def bar():\n    return 'BAR'\n"})
+    before = stacked.patch_bytes()
+    result = stacked.run("patches")
+    assert result.returncode == 1
+    assert f"patches/{PATCH_1}, patches/series. `make patches` would overwrite" in result.stderr
+    assert "`make apply`" in result.stderr and "delete the files named" in result.stderr
+    assert stacked.patch_bytes() == before
+    # build/vllm's side: the edited files deleted, the export writes them again.
+    edited.unlink()
+    series.unlink()
+    stacked.ok("patches")
+    assert stacked.series() == [PATCH_1, PATCH_2, PATCH_3]
+    assert "default block size" in edited.read_text()
+    # patches/' side: `make apply` takes the edit into build/vllm.
+    edited.write_text(edited.read_text().replace("default block size", "default tile size"))
+    stacked.ok("apply")
+    assert "default tile size" in stacked.git("log", "-1", "--format=%B", "HEAD~2")
+    assert stacked.run("patches").returncode == 0

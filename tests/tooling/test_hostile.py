@@ -17,6 +17,7 @@ from tests.tooling.conftest import (
     needs_make,
     release_files,
     sha256_file,
+    snapshot,
     write_patch,
 )
 from tests.tooling.test_overlay import pristine_copy
@@ -162,3 +163,48 @@ def test_drift_refuses_a_release_listed_far_larger_than_the_pinned_one(stacked, 
     assert "Traceback" not in result.stderr
     assert f"{huge}" in result.stderr and "larger than" in result.stderr
     assert index.downloads(huge) == 0
+
+
+@needs_make
+def test_make_expands_no_variable_given_on_its_command_line(stacked, tmp_path):
+    """Make expands a command-line variable each time it exports it to a recipe,
+    read by the Makefile or not (FRESH, say): all are taken literally."""
+    markers = [tmp_path / name for name in ("fresh", "other", "python")]
+    result = stacked.make("help", f"FRESH=$(shell touch {markers[0]})",
+                          f"OTHER=$(shell touch {markers[1]})")
+    assert result.returncode == 0, result.stderr
+    assert not any(m.exists() for m in markers)
+
+
+# --- nothing is written through a link, nothing is read through one -----------------
+
+
+def test_apply_replaces_links_in_the_overlay_and_check_fails_on_them(stacked, tmp_path):
+    outside = tmp_path / "outside.py"
+    link = stacked.overlay / "vllm/models/new.py"
+    outside.write_bytes(link.read_bytes())  # the same bytes: only the link is wrong
+    link.unlink()
+    link.symlink_to(outside)
+    result = stacked.run("check")
+    assert result.returncode == 1
+    assert "FAIL vllm_overlay/vllm/models/new.py is a symlink" in result.stdout
+    outside.write_text("# not the overlay's\n")
+    stacked.ok("apply")
+    assert outside.read_text() == "# not the overlay's\n"
+    assert not link.is_symlink() and link.read_text() == NEW_MODEL
+
+
+def test_apply_replaces_a_linked_overlay_folder_and_writes_nothing_through_it(stacked,
+                                                                            tmp_path):
+    outside = tmp_path / "elsewhere"
+    folder = stacked.overlay / "vllm/models"
+    shutil.copytree(folder, outside)
+    shutil.rmtree(folder)
+    folder.symlink_to(outside)
+    assert stacked.run("check").returncode == 1
+    (outside / "new.py").write_text("# changed outside\n")
+    before = snapshot(outside)
+    stacked.ok("apply")
+    assert snapshot(outside) == before
+    assert not folder.is_symlink() and (folder / "new.py").read_text() == NEW_MODEL
+    assert "check OK" in stacked.ok("check").stdout

@@ -8,10 +8,7 @@ started and that was killed (index.lock left behind) is recovered.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import time
 
 import pytest
 
@@ -19,12 +16,15 @@ from tests.tooling.conftest import (
     PATCH_1,
     PATCH_2,
     PYTHON,
+    RATIONALE,
     REPO,
     SERIES_HEADER,
+    SIGNOFF,
     SUBJECT_1,
     SUBJECT_2,
     V1,
     V2,
+    WHEEL_COPY,
     needs_make,
     release_files,
     write_patch,
@@ -166,38 +166,24 @@ def test_a_new_pin_keeps_stashes_branches_and_history(stacked):
 # --- a killed `git am` -----------------------------------------------------------
 
 
-BIG_LINES = 200_000  # a `git am` of this holds index.lock for long enough to be killed
-
-
-def _big_patch(proj) -> None:
-    """One patch adding a large file."""
-    body = "".join(f"+line {i}\n" for i in range(BIG_LINES))
-    diff = (f"diff --git a/vllm/big.txt b/vllm/big.txt\nnew file mode 100644\n"
-            f"--- /dev/null\n+++ b/vllm/big.txt\n@@ -0,0 +1,{BIG_LINES} @@\n{body}")
-    write_patch(proj.patches, "rocm-add-big.patch", "vllm/big.txt",
-                subject="[ROCm] Add big", diff=diff)
+def _one_patch(proj) -> None:
+    """One patch adding vllm/big.txt (the file the kill below waits for)."""
+    write_patch(proj.patches, "rocm-add-big.patch", "vllm/big.txt", subject="[ROCm] Add big")
     (proj.patches / "series").write_text(SERIES_HEADER + "rocm-add-big.patch\n")
 
 
 def _kill_inside_git_am(proj, *command: str) -> None:
-    """Run `command` and SIGKILL it (and its git) while its `git am` holds index.lock."""
-    git_dir = proj.tree / ".git"
-    # The command runs at the lowest priority, so that on a busy machine the
-    # poll below still sees its `git am` before it finishes.
-    proc = subprocess.Popen([PYTHON, "-m", "scripts", *command], cwd=REPO, env=proj.env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=lambda: os.nice(19))
-    deadline = time.monotonic() + 60
-    while not ((git_dir / "rebase-apply").exists() and (git_dir / "index.lock").exists()):
-        assert proc.poll() is None and time.monotonic() < deadline, "git am never started"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert (git_dir / "index.lock").exists()
+    """Run `command` and SIGKILL it, with its git, while its `git am` writes
+    vllm/big.txt (and so holds index.lock)."""
+    proj.kill_git_writing("vllm/big.txt")
+    proj.killed(*command)
+    assert (proj.tree / ".git" / "index.lock").exists()
+    assert (proj.tree / ".git" / "rebase-apply").exists()
 
 
 @pytest.mark.parametrize("command", ["apply", "clean", "patches"])
 def test_a_killed_git_am_is_recovered(project, command):
-    _big_patch(project)
+    _one_patch(project)
     _kill_inside_git_am(project, "apply")
     patches = project.patch_bytes()
     result = project.run(command)
@@ -220,8 +206,7 @@ def test_a_killed_git_am_is_recovered(project, command):
 
 def test_a_killed_rebase_git_am_is_recovered(project, index):
     project.ok("apply")
-    project.commit("[ROCm] Add big", {"vllm/big.txt": "".join(f"line {i}\n"
-                                                               for i in range(BIG_LINES))})
+    project.commit("[ROCm] Add big", {"vllm/big.txt": "x\n"})
     project.ok("patches")
     index.add(*project.release(V1))
     index.add(*project.release(V2, release_files(V2, "g7654321"), commit="g7654321"))
@@ -234,3 +219,97 @@ def test_a_killed_rebase_git_am_is_recovered(project, index):
     assert not (project.tree / ".git" / "index.lock").exists()
     assert project.git("log", "--format=%s", f"vllm-{V2}..HEAD") == "[ROCm] Add big"
     assert project.git("status", "--porcelain", "--untracked-files=all") == ""
+
+
+# --- ignored work, worktrees anywhere, FORCE only when typed -------------------------
+
+# Ignored by the release's .gitignore, made by nobody but the user.
+IGNORED_WORK = ["vllm/models/rope_hip.py", "benchmarks/results/run.json", "sweep.csv", ".env",
+                "vllm/third_party/dep/mine.py"]
+
+
+def test_clean_keeps_ignored_work_and_deletes_what_the_tooling_made(stacked):
+    for path in IGNORED_WORK:
+        (stacked.tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (stacked.tree / path).write_text("# mine\n")
+    # What the python-only build and pytest leave: remade on the next `make build`.
+    made = {"vllm/_C.abi3.so": b"\x7fELF", "vllm/__pycache__/foo.cpython-311.pyc": b"pyc",
+            WHEEL_COPY[0]: WHEEL_COPY[1]}
+    for path, data in made.items():
+        (stacked.tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (stacked.tree / path).write_bytes(data)
+    result = stacked.run("clean")
+    assert_refused_and_kept(stacked, result, "ignored files", *IGNORED_WORK)
+    assert not any(path in result.stderr for path in made), result.stderr
+    assert all((stacked.tree / path).exists() for path in IGNORED_WORK)
+    forced = stacked.ok("clean", "--force")
+    assert all(path in forced.stdout for path in IGNORED_WORK)
+    assert not stacked.tree.exists()
+
+
+def test_clean_keeps_worktrees_whatever_their_path(stacked, tmp_path):
+    odd = tmp_path / "wt\nwith a newline"
+    moved = tmp_path / "wt-moved"
+    stacked.git("worktree", "add", "-q", "-b", "odd", str(odd))
+    stacked.git("worktree", "add", "-q", "-b", "moved", str(moved))
+    moved.rename(tmp_path / "wt-moved-here")
+    result = stacked.run("clean")
+    assert_refused_and_kept(stacked, result, repr(str(odd)), "(on odd)", str(moved),
+                            "(on moved), whose folder is missing", "worktree repair")
+
+
+@needs_make
+@pytest.mark.parametrize("how", ["MAKEFLAGS", "parent-make"])
+def test_force_from_makeflags_or_a_parent_make_does_not_force(stacked, tmp_path, how):
+    (stacked.tree / "vllm/models/wip.py").write_text("# work in progress\n")
+    stacked.git("stash", "-u")
+    make = ["make", "-s", "-C", str(REPO), f"PYTHON={PYTHON}", "clean"]
+    env = stacked.env()
+    if how == "MAKEFLAGS":
+        env["MAKEFLAGS"] = "FORCE=1"
+    else:  # FORCE=1 given to a make whose recipe runs `make clean`
+        parent = tmp_path / "parent.mk"
+        parent.write_text("all:\n\t" + " ".join(["$(MAKE)", *make[1:]]) + "\n")
+        make = ["make", "-s", "-f", str(parent), "FORCE=1"]
+    result = subprocess.run(make, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "FORCE=1 is ignored: it reached make through MAKEFLAGS" in result.stderr
+    assert stacked.git("stash", "list")
+
+
+# --- killed half-way: the next run finishes or restores ----------------------------------
+
+
+def test_apply_killed_inside_its_checkout_is_recovered(stacked):
+    # A pulled change to patch 2 makes apply check out the base and apply again.
+    patch = stacked.patches / PATCH_2
+    patch.write_text(patch.read_text().replace("[ROCm] Add the new model",
+                                               "[ROCm] Add the new model for MI300", 1))
+    stacked.kill_git_writing("vllm/models/foo.py")  # the base's foo.py: in the checkout
+    stacked.killed("apply")
+    assert not (stacked.tree / "vllm/models/new.py").exists()  # deleted by the checkout
+    result = stacked.run("apply")
+    assert result.returncode == 0, result.stderr
+    assert "uncommitted" not in result.stderr
+    assert "killed half-way" in result.stdout
+    assert subjects(stacked) == [SUBJECT_1, "[ROCm] Add the new model for MI300"]
+    assert stacked.git("status", "--porcelain", "--untracked-files=all") == ""
+
+
+RENAMED = "rocm-add-the-newer-model.patch"
+
+
+@pytest.mark.parametrize("kill", [
+    "SIGKILL open 1 after os.remove 1 in /patches/",  # the old patch deleted
+    "SIGKILL os.rename 1 in /patches/.series.",  # the new series not yet in place
+], ids=["after-removing-the-old-name", "before-the-new-series"])
+def test_patches_killed_while_renaming_a_patch_is_finished_next_time(stacked, kill):
+    stacked.git("commit", "-q", "--amend", "-m", f"[ROCm] Add the newer model\n\n{RATIONALE}"
+                f"\n\n{SIGNOFF}")
+    result = stacked.run("patches", fault=kill)
+    assert result.returncode == -9, result.stderr
+    result = stacked.run("apply")
+    assert result.returncode == 0, result.stderr
+    assert stacked.series() == [PATCH_1, RENAMED]
+    assert not (stacked.patches / PATCH_2).exists()
+    assert "check OK: 2 patch(es)" in stacked.ok("check").stdout

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
 import pytest
 
-from tests.tooling.conftest import V1, free_port, release_files, write_patch
+from tests.tooling.conftest import REPO, V1, free_port, release_files, write_patch
 from tests.tooling.test_overlay import pristine_copy
 
 
@@ -28,6 +29,10 @@ PIN_EDITS = {
     "version-not-a-version": ('version = "0.1.0"', 'version = "0.1.0; rm -rf"'),
     "sha256-not-a-string": ('sha256 = ', 'sha256 = 5 #'),
     "table-not-a-table": ('[artifacts.sdist]', '[artifacts]\nsdist = "x"\n[ignored]'),
+    "nul-in-a-name": ('filename = "vllm-0.1.0.tar.gz"', 'filename = "vllm-0.1.0\\u0000.tar.gz"'),
+    "negative-size": ('size = ', 'size = -5 #'),
+    "base-tag-head": ('base_tag = "vllm-0.1.0"', 'base_tag = "HEAD"'),
+    "base-tag-option": ('base_tag = "vllm-0.1.0"', 'base_tag = "-f"'),
 }
 
 
@@ -120,3 +125,78 @@ def test_apply_names_a_patch_file_missing_from_the_series(stacked):
     result = stacked.ok("apply")
     assert "patches/stray.patch is not listed in patches/series" in result.stderr
     assert "not applied" in result.stderr
+
+
+def test_a_series_that_is_not_utf8_is_named_and_a_byte_order_mark_is_no_name(stacked):
+    series = stacked.patches / "series"
+    text = series.read_bytes()
+    series.write_bytes(b"# r\xe9vis\xe9\n" + text)  # latin-1
+    one_clear_line(stacked.run("apply"), "patches/series is not UTF-8 text")
+    series.write_bytes(b"\xef\xbb\xbf" + text.split(b"\n", 2)[2])  # a BOM, then the names
+    assert "2 patch(es) already applied" in stacked.ok("apply").stdout
+
+
+def test_a_new_base_tag_in_pin_toml_is_followed(stacked):
+    pin = stacked.root / "pin.toml"
+    pin.write_text(pin.read_text().replace('base_tag = "vllm-0.1.0"',
+                                           'base_tag = "vllm-0.1.0-release"'))
+    assert "now tagged vllm-0.1.0-release" in stacked.ok("apply").stdout
+    assert stacked.state()["base_tag"] == "vllm-0.1.0-release"
+    assert "check OK: 2 patch(es)" in stacked.ok("check").stdout
+
+
+def test_an_empty_cache_folder_setting_is_named(project):
+    project.cache_env = False
+    project.extra_env["K3_CACHE_DIR"] = ""
+    one_clear_line(project.run("apply"), "K3_CACHE_DIR is set but empty")
+    assert not (REPO / "downloads").exists() and not (REPO / "locks").exists()
+
+
+def _bytes_git(proj, *args: bytes | str, cwd=None) -> None:
+    """git with arguments that are not UTF-8 (bytes)."""
+    env = {**proj.env(), "GIT_AUTHOR_NAME": "D\xe9v", "GIT_AUTHOR_EMAIL": "dev@example.com",
+           "GIT_COMMITTER_NAME": "D\xe9v", "GIT_COMMITTER_EMAIL": "dev@example.com"}
+    env = {k: v.encode("latin-1") if k.endswith("_NAME") else v for k, v in env.items()}
+    subprocess.run([b"git", *(a if isinstance(a, bytes) else a.encode() for a in args)],
+                   cwd=cwd or proj.tree, env=env, check=True, capture_output=True)
+
+
+def test_git_output_that_is_not_utf8_gives_one_clear_line(stacked, tmp_path):
+    """A branch, a stash message, an author and a worktree path in latin-1."""
+    (stacked.tree / "vllm/models/wip.py").write_text("# wip\n")
+    _bytes_git(stacked, "stash", "push", "-u", "-m", b"caf\xe9")
+    _bytes_git(stacked, "worktree", "add", "-q", "-b", b"br\xe9", bytes(tmp_path) + b"/w\xe9")
+    _bytes_git(stacked, "checkout", "-q", "-b", b"d\xe9v")
+    (stacked.tree / "vllm/models/bar.py").write_text("# changed\n")
+    _bytes_git(stacked, "commit", "-q", "-a", "-m", b"[ROCm] D\xe9j\xe0 vu")
+    for command, named in (("apply", "is not on branch 'stack'"),
+                           ("patches", "is not on branch 'stack'"),
+                           ("clean", "stash@{0}")):
+        result = stacked.run(command)
+        assert result.returncode == 1, result.stdout
+        assert "Traceback" not in result.stderr
+        assert named in result.stderr
+    assert "caf\\udce9" in result.stderr and "br\\udce9" in result.stderr
+    assert "(on 'd\\udce9v')" in result.stderr
+
+
+def _damage(repo, path: str) -> None:
+    """Empty the object file of `path`'s blob in the release commit of `repo`."""
+    blob = subprocess.run(["git", "-C", str(repo), "rev-parse", f"vllm-{V1}:{path}"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    obj = repo / ".git" / "objects" / blob[:2] / blob[2:]
+    obj.chmod(0o644)
+    obj.write_bytes(b"")
+
+
+def test_damaged_objects_are_reported_as_such(stacked):
+    _damage(stacked.tree, "vllm/models/foo.py")
+    one_clear_line(stacked.run("apply"), "build/vllm/.git is damaged", "is empty")
+    # check needs only the release: it reads it from its own copy instead.
+    result = stacked.run("check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "build/vllm/.git is damaged" in result.stderr
+    _damage(stacked.root / "build" / "check-base", "vllm/models/foo.py")
+    result = stacked.run("check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "the check's copy of the release, is damaged; making it again" in result.stderr

@@ -165,6 +165,25 @@ def test_install_refuses_a_manifest_entry_outside_the_target(stacked, source, ov
     assert outside.read_text() == "untouched\n"
 
 
+@pytest.mark.parametrize("entry", [".git/hooks/post-checkout", "vllm/.GIT/config"])
+def test_install_refuses_a_manifest_entry_in_a_git_folder(stacked, source, overlay_copy,
+                                                          entry):
+    (source / ".git" / "hooks").mkdir(parents=True)
+    (overlay_copy / entry).parent.mkdir(parents=True)
+    (overlay_copy / entry).write_text("#!/bin/sh\necho pwned\n")
+
+    def edit(manifest):
+        import hashlib
+        manifest["files"].append({"path": entry, "pristine_sha256": "added", "patched_sha256":
+                                  hashlib.sha256(b"#!/bin/sh\necho pwned\n").hexdigest()})
+    edit_manifest(overlay_copy, edit)
+    before = snapshot(source)
+    result = stacked.run("install-overlay", source, "--overlay", overlay_copy)
+    assert result.returncode == 1
+    assert f"overlay entry {entry!r} would be written into a .git folder" in result.stderr
+    assert snapshot(source) == before
+
+
 def test_install_refuses_a_symlink_in_the_overlay(stacked, source, overlay_copy, tmp_path):
     # Same bytes as the real file, so only the link itself is wrong.
     elsewhere = tmp_path / "new.py"
@@ -263,3 +282,42 @@ def test_tests_folder_untouched_in_site_packages(stacked, site):
     stacked.ok("install-overlay", site)
     assert (site / "tests/test_foo.py").read_text() == TEST_FOO_V1
     assert os.path.exists(site / "vllm/models/new.py")
+
+
+# --- interrupted installs: rolled back at once, or recovered by the next run ---------
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if ".k3-" in p.name)
+
+
+@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_an_install_terminated_between_two_renames_puts_the_target_back(stacked, site,
+                                                                        signal_name, code):
+    before = snapshot(site)
+    # The first rename moves foo.py aside; the signal comes before the new one is in.
+    result = stacked.run("install-overlay", site, fault=f"{signal_name} os.rename 1 in {site}")
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    assert snapshot(site) == before
+    assert _leftovers(site) == []
+
+
+def test_an_install_killed_between_two_renames_is_finished_by_the_next(stacked, site):
+    result = stacked.run("install-overlay", site, fault=f"SIGKILL os.rename 2 in {site}")
+    assert result.returncode == -9
+    assert not (site / "vllm/models/foo.py").exists()  # moved aside, the new one not in
+    result = stacked.ok("install-overlay", site)
+    assert "was interrupted; restored 1 original file(s)" in result.stdout
+    assert (site / "vllm/models/foo.py").read_text() == FOO_PATCHED
+    assert (site / "vllm/models/new.py").read_text() == NEW_MODEL
+    assert _leftovers(site) == []
+
+
+def test_a_failed_rename_leaves_no_placeholder(stacked, site):
+    before = snapshot(site)
+    result = stacked.run("install-overlay", site, fault=f"EIO os.rename 1 in {site}")
+    assert result.returncode == 1
+    assert "the target was left as it was" in result.stderr
+    assert snapshot(site) == before
+    assert _leftovers(site) == []

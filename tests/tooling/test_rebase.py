@@ -156,3 +156,22 @@ def test_rebase_refuses_unexported_work(stacked, upstream):
     assert "vllm/models/bar.py" in result.stderr and "make rebase" in result.stderr
     assert (stacked.tree / "vllm/models/bar.py").read_text() == "# wip\n"
     assert (stacked.root / "pin.toml").read_bytes() == pin
+
+
+def test_only_an_explicit_skip_drops_a_patch(stacked, upstream):
+    """`git am --abort` (which `make apply` suggests) undoes the stop; the rebase
+    applies the patch again. Only `git am --skip` drops it."""
+    upstream(FOO_V2_CONFLICT)
+    for _ in range(2):
+        result = stacked.run("rebase", V2)
+        assert result.returncode == 1 and f"{PATCH_1} conflicts" in result.stderr
+        stacked.git("am", "--abort")
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1, result.stdout
+    assert f"the `git am` of {PATCH_1} was undone" in result.stdout
+    assert "dropped" not in result.stdout
+    stacked.git("am", "--skip")
+    result = stacked.ok("rebase", V2)
+    assert f"dropped {PATCH_1} (skipped with `git am --skip`" in result.stdout
+    assert stacked.series() == [PATCH_2]
+    assert subjects(stacked, f"vllm-{V2}") == [SUBJECT_2]

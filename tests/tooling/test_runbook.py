@@ -133,6 +133,12 @@ def test_a_step_is_one_entry_of_the_registry(tmp_path, config, monkeypatch):
     (["--steps", "tests,warmup"], "unknown step(s) warmup"),
     (["--concurrencies", "1,x"], "--concurrencies '1,x': give positive integers"),
     (["--env", "NOVALUE"], "--env 'NOVALUE': expected KEY=VALUE"),
+    (["--serve-args", "--served-model-name 'k3"], "--serve-args \"--served-model-name 'k3\": "
+                                                  "No closing quotation"),
+    (["--hf-cache", "~nosuchuser/x"], "--hf-cache '~nosuchuser/x': no such user's home"),
+    (["--out", "README.md"], "--out 'README.md' exists and is not a folder"),
+    (["--port", "-5"], "--port -5: give a number above 0 and at most 65535"),
+    (["--server-ready-timeout", "nan"], "--server-ready-timeout nan: give a number above 0"),
 ])
 def test_bad_options_end_with_one_line(tmp_path, argv, message):
     result = subprocess.run([PYTHON, "-m", "scripts", "runbook", "--machine", "mi300x",

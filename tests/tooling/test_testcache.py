@@ -244,7 +244,7 @@ def test_a_changed_patch_that_breaks_its_prefixes_is_caught(suites, capsys):
     assert rows["prefix 1/4"]["reused"]  # the tree of prefix 1/3 before
     assert rows["stack"]["failed"] == 0
     out = capsys.readouterr().out
-    assert f"  FAIL prefix 2/4: PYTHONPATH=" in out and "tests/test_new.py" in out
+    assert "  FAIL prefix 2/4: PYTHONPATH=" in out and "tests/test_new.py" in out
     assert out.strip().splitlines()[-1].endswith("2 failed, 0 skipped")
 
 

@@ -167,14 +167,52 @@ def test_a_traditional_diff_to_a_kernel_file_is_refused(project):
     assert "trad.patch" in result.stderr and "csrc/attention.cu" in result.stderr
 
 
-def test_a_quoted_kernel_path_is_refused(project):
+# git strips the first component of any prefix, not only a/ and b/.
+PREFIXED = {
+    "plain-diff-x-y": ("--- x/csrc/attention.cu\n+++ y/csrc/attention.cu\n"
+                       "@@ -1 +1 @@\n-// kernel\n+// patched kernel\n"),
+    "git-header-i-w": ("diff --git i/CMakeLists.txt w/CMakeLists.txt\n"
+                       "--- i/CMakeLists.txt\n+++ w/CMakeLists.txt\n@@ -1 +1 @@\n"
+                       "-cmake_minimum_required(VERSION 3.26)\n"
+                       "+cmake_minimum_required(VERSION 3.27)\n"),
+    "renamed-away": ("diff --git a/csrc/attention.cu b/vllm/attention.cu\n"
+                     "similarity index 100%\nrename from csrc/attention.cu\n"
+                     "rename to vllm/attention.cu\n"),
+    "quoted": ('diff --git "a/csrc/na\\303\\257ve.cu" "b/csrc/na\\303\\257ve.cu"\n'
+               "new file mode 100644\n--- /dev/null\n"
+               '+++ "b/csrc/na\\303\\257ve.cu"\n@@ -0,0 +1 @@\n+// x\n'),
+}
+
+
+@pytest.mark.parametrize("kind", list(PREFIXED))
+def test_a_kernel_path_behind_any_prefix_is_refused(project, kind):
+    write_patch(project.patches, "kernel.patch", "csrc/attention.cu", diff=PREFIXED[kind])
+    _series(project, "kernel.patch")
+    for command in ("apply", "check"):
+        result = project.run(command)
+        assert result.returncode == 1, result.stdout
+        assert "Traceback" not in result.stderr
+        assert "kernel.patch: touches " in result.stdout + result.stderr
+    assert not (project.root / "build" / "vllm").exists()
+
+
+def test_patches_exports_no_kernel_change_and_any_other_name_round_trips(project):
+    """What `make patches` writes, `make apply` and `make check` take: a non-ASCII
+    file name is exported and applied; a kernel file is not exported at all."""
     project.ok("apply")
-    project.commit("[ROCm] Add a naive kernel", {"csrc/naïve.cu": "// x\n"})
+    project.commit("[ROCm] Add a naive model", {"vllm/models/naïve.py": "# x\n"})
     project.ok("patches")
     shutil.rmtree(project.root / "build")
-    result = project.run("apply")
+    project.ok("apply")
+    assert (project.tree / "vllm/models/naïve.py").read_text() == "# x\n"
+    assert "check OK: 1 patch(es)" in project.ok("check").stdout
+    project.commit("[ROCm] Add a naive kernel", {"csrc/naïve.cu": "// x\n"})
+    patches = project.patch_bytes()
+    result = project.run("patches")
     assert result.returncode == 1
-    assert "rocm-add-a-naive-kernel.patch" in result.stderr
+    assert ("rocm-add-a-naive-kernel.patch (commit [ROCm] Add a naive kernel): touches "
+            "csrc/naïve.cu") in result.stderr
+    assert project.patch_bytes() == patches
 
 
 def test_apply_unpacks_an_in_tree_hard_link(project):

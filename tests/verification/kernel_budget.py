@@ -11,12 +11,15 @@ counting rules), for:
 * ``nvidia`` and ``amd``: the patched NVIDIA and AMD modules on ROCm;
 
 each with a bf16 (``auto``) and an fp8 KV cache, and under both of vLLM's
-execution modes, which pick different kernels: ``compiled`` is vLLM's default
-config (torch.compile with Inductor: ``CustomOp``s such as RoPE run their
-``forward_native``, vLLM IR ops such as RMSNorm their ``native`` impl, and
-``SiluAndMul`` is compiled on its own), ``eager`` is ``--enforce-eager``
-(custom ops on, IR ops on vLLM's C++ kernels). The drafter itself is not
-compiled in either mode.
+execution modes: ``compiled`` is vLLM's default config (torch.compile with
+Inductor, whose config turns ``CustomOp``s such as RoPE to ``forward_native``,
+vLLM IR ops such as RMSNorm to their ``native`` impl, and compiles
+``SiluAndMul`` on its own), ``eager`` is ``--enforce-eager`` (custom ops on,
+IR ops on vLLM's C++ kernels). The drafter itself is not compiled in either
+mode. It is built and run as DSpark does: where the tree has them (the
+stack's ``[Perf][Spec Decode]`` patch), with ``draft_compilation_config`` and
+under ``draft_ir_op_priority`` (``vllm/v1/worker/gpu/spec_decode/dspark/``),
+which give the draft the eager kernels in both modes; 0.33.0 has neither.
 
 Phases, each counted in steady state (run once uncounted first, so one-time
 work such as uploading the cache-pointer array is left out):
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import sys
 import tempfile
 import types
@@ -90,31 +94,26 @@ EXTRA_CAUSES = {
     "rope": "the RoPE of q_pe and k_pe is one launch of vLLM's in-place rotary "
     "kernel (fp32 table); the baseline rotates inside its fused decode epilogue",
     "q/kv norms": "q_a_layernorm and kv_a_layernorm are two RMSNorms (vllm_ir "
-    "rms_norm: one _C kernel each in eager mode, PyTorch's native form under "
-    "torch.compile); the baseline fuses both into one Triton kernel "
-    "(fused_q_kv_rmsnorm). With VLLM_ROCM_USE_AITER=1, the usual ROCm setting, "
-    "the ROCm wrapper runs both as one AITER kernel (fused_mla_dual_rms_norm); "
-    "this emulation has no aiter",
+    "rms_norm: one _C kernel each); the baseline fuses both into one Triton "
+    "kernel (fused_q_kv_rmsnorm). With VLLM_ROCM_USE_AITER=1, the usual ROCm "
+    "setting, the ROCm wrapper runs both as one AITER kernel "
+    "(fused_mla_dual_rms_norm); this emulation has no aiter",
     "cache write": "the KV-cache write is a launch of its own (MLAAttention: "
     "concat_and_cache_mla); the baseline's fused decode epilogue writes the "
     "cache together with the query concat and both RoPEs",
-    "query concat": "TRITON_MLA's forward_mqa concatenates [ql_nope | q_pe] "
-    "(MLAAttention hands it the two parts); the baseline's fused decode "
-    "epilogue writes the concatenated query",
+    "vllm kernels": "in vLLM's default (compiled) config the draft runs vLLM's "
+    "kernels (draft_compilation_config, draft_ir_op_priority) where the "
+    "baseline runs each op's native PyTorch form, op by op: one kernel "
+    "instead of 5-8",
 }
 # ... and by op: every op the AMD module launches more often than the
 # baseline, in any configuration and phase, must be listed with its causes.
 ALLOWED_EXTRA: dict[str, tuple[str, ...]] = {
     "_C::rotary_embedding": ("rope",),
     "_C_cache_ops::concat_and_cache_mla": ("cache write",),
-    "_C::rms_norm": ("q/kv norms",),
-    "aten::_to_copy": ("q/kv norms",),
-    "aten::add": ("q/kv norms",),
-    "aten::mul": ("q/kv norms",),
-    "aten::mean": ("q/kv norms",),
-    "aten::pow": ("q/kv norms",),
-    "aten::rsqrt": ("q/kv norms",),
-    "aten::cat": ("query concat",),
+    "_C::rms_norm": ("q/kv norms", "vllm kernels"),
+    "_C::fused_add_rms_norm": ("vllm kernels",),
+    "_C::silu_and_mul": ("vllm kernels",),
 }
 
 
@@ -228,6 +227,16 @@ def _decode_metadata(num_tokens: int, seq_len: int):
     )
 
 
+def _dspark_draft_kernels():
+    """The tree's dspark.utils if it sizes the draft's kernels (the stack's
+    patch), else None (0.33.0)."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode.dspark import utils
+    except ImportError:
+        return None
+    return utils if hasattr(utils, "draft_ir_op_priority") else None
+
+
 def _build(module: str, cache: str, mode: str):
     """The draft as a worker would run it, with bound caches and embedding."""
     import vllm.ir
@@ -240,12 +249,15 @@ def _build(module: str, cache: str, mode: str):
 
     # Custom-op dispatch reads a cached compilation config: the zygote's.
     get_cached_compilation_config.cache_clear()
+    dspark = _dspark_draft_kernels()
     draft = D.build(
         rope=ROPE,
         cache_dtype=CACHE_DTYPES[cache],
         cls=D.drafter_cls("amd" if module == "amd" else "nvidia"),
         eager=mode == "eager",
         num_layers=NUM_LAYERS,
+        # What load_dspark_model builds the draft with.
+        draft_compilation=dspark.draft_compilation_config if dspark else None,
     )
     D.allocate_caches(draft)
     config = draft.vllm_config
@@ -284,6 +296,13 @@ def measure(module: str, cache: str, mode: str) -> dict:
     _install_stand_ins()
     draft = _build(module, cache, mode)
     config = draft.vllm_config
+    # What DSparkSpeculator runs the draft under (propose, capture).
+    dspark = _dspark_draft_kernels()
+    priority = (
+        dspark.draft_ir_op_priority(config).set_priority()
+        if dspark
+        else contextlib.nullcontext()
+    )
     states, positions = D.context_inputs(draft.hf_config, CONTEXT_TOKENS)
     context_slots = D.distinct_slots(CONTEXT_TOKENS, 96, 3)
     seq_len = CONTEXT_TOKENS + BLOCK_TOKENS
@@ -302,6 +321,7 @@ def measure(module: str, cache: str, mode: str) -> dict:
     }
     with (
         D.config_context(config),
+        priority,
         set_forward_context(
             {name: _decode_metadata(BLOCK_TOKENS, seq_len) for name in names},
             config,
@@ -314,6 +334,7 @@ def measure(module: str, cache: str, mode: str) -> dict:
             counter.phase = phase
             with counter:
                 step()
+        rms_norm = ",".join(vllm.ir.ops.rms_norm.get_priority())
     return {
         "counts": {p: dict(counter.counts.get(p, {})) for p in PHASES},
         "sites": {
@@ -324,9 +345,51 @@ def measure(module: str, cache: str, mode: str) -> dict:
             "vllm": str(Path(vllm.__file__).parent),
             "attention": type(draft.cache_layers()[0].impl).__name__,
             "custom_ops": ",".join(config.compilation_config.custom_ops),
-            "rms_norm": ",".join(vllm.ir.ops.rms_norm.get_priority()),
+            "rms_norm": rms_norm,
         },
     }
+
+
+def measure_target() -> dict[str, int]:
+    """What the target's own layers launch in vLLM's default (compiled) config
+    when they are built after the draft: an input RMSNorm, a fused residual
+    add + RMSNorm and SiluAndMul, the ops the draft's kernels replace. The
+    draft takes its compilation config from the target's
+    (draft_compilation_config) and runs under its own IR op priority; neither
+    may reach the target, whose native forms Inductor fuses."""
+    import torch
+
+    import vllm.ir
+    from vllm.config import get_cached_compilation_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from tests.verification.harness import drafter as D
+    from tests.verification.harness.launches import LaunchCounter
+
+    _install_stand_ins()
+    get_cached_compilation_config.cache_clear()
+    target = D.make_vllm_config(D.make_hf_config(rope=ROPE, num_layers=NUM_LAYERS))
+    target.kernel_config.ir_op_priority.set_default()
+    dspark = _dspark_draft_kernels()
+    if dspark is not None:
+        draft = copy.copy(target)
+        draft.compilation_config = dspark.draft_compilation_config(
+            target.compilation_config
+        )
+        with D.config_context(draft):
+            RMSNorm(64), SiluAndMul()  # the draft's layers
+        with dspark.draft_ir_op_priority(target).set_priority():
+            pass  # a draft step
+    with D.config_context(target):
+        norm, act = RMSNorm(64), SiluAndMul()
+    x, residual, gate_up = torch.randn(4, 64), torch.randn(4, 64), torch.randn(4, 128)
+    counter = LaunchCounter(sites_under=str(Path(vllm.ir.__file__).parents[1]) + "/")
+    with torch.inference_mode(), D.config_context(target):
+        for counted in (contextlib.nullcontext(), counter):  # warm, then count
+            with counted:
+                norm(x), norm(x, residual.clone()), act(gate_up)
+    return dict(counter.counts.get("all", {}))
 
 
 # --------------------------------------------------------------------------

@@ -2,31 +2,44 @@
 calls it (vllm/v1/attention/backends/mla/triton_mla.py).
 
 The K3 DSpark drafter decodes a non-causal block of `query_len` tokens per
-request with the latent KV cache of MLA (512 latent + 64 rope, pages of 64).
-vLLM 0.33.0 flattens the block to one decode row per token and calls
+request with the latent KV cache of MLA (512 latent + 64 rope). vLLM 0.33.0
+flattens the block to one decode row per token and calls
 `decode_attention_fwd` (the grouped kernel reads a request's KV once per row
 and per 16 heads); the patched tree reads it once per tile of the request's
 query_len x heads rows (`decode_attention_fwd_mla_block`). `bind` does what
 each tree's forward_mqa does, so `pristine` is the flat path and `patched` the
 new one; query_len 1 takes the flat path in both.
 
-A case module of the GPU benchmark runner (FILES, SHAPES, make_inputs, bind,
-same_output; see benchmarks/gpu/run.py on the gpubench branch), plus
-`roofline(shape)`: the bytes the attention must read at least once and its
-FLOPs, which `main()` divides by the copy bandwidth and the bf16 GEMM peak
-measured in the same run. `main()` runs the case on its own, from a package
-laid out like the runner's (trees/<label>/vllm/..., with stand-ins for
-vllm.triton_utils and vllm.platforms):
+Two regimes:
 
-    python3 build/gpubench/cases/mla_decode.py [--shape TEXT] [--sweep] [--check]
+* production (the primary table, and the runner's SHAPES): DSpark drafts under
+  FULL CUDA graphs captured with attention metadata for max_seq_len =
+  max_model_len (vllm/v1/worker/gpu/spec_decode/dflash/cudagraph.py), so
+  whatever forward_mqa decides on the host from max_seq_len (the split count)
+  is decided for MAX_MODEL_LEN and the padded batch, and replayed over the
+  real, ragged lengths. Pages of 16 (TRITON_MLA takes multiples of 16) and 64.
+* per-step (secondary): the split count chosen for each shape's own longest
+  context, as an eager call would; uniform lengths, pages of 64.
+
+A case module of the GPU benchmark runner (FILES, SHAPES, make_inputs, bind,
+same_output; see benchmarks/gpu/run.py), plus `roofline(shape)`: the bytes the
+attention must read at least once and its FLOPs, which `main()` divides by the
+copy bandwidth and the bf16 GEMM peak measured in the same run. `main()` runs
+the case on its own, from a package laid out like the runner's
+(trees/<label>/vllm/..., with stand-ins for vllm.triton_utils and
+vllm.platforms):
+
+    python3 build/gpubench/cases/mla_decode.py [--regime production|per-step]
+        [--shape TEXT] [--check] [--variant NAME:STATEMENT] [--sweep]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
+import inspect
 import math
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -39,44 +52,88 @@ OPS = "vllm.v1.attention.ops.triton_decode_attention"
 KV_LORA_RANK = 512
 ROPE_DIM = 64
 HEAD_SIZE = KV_LORA_RANK + ROPE_DIM
-PAGE_SIZE = 64
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# fp8 is the platform's: e4m3fn on NVIDIA, e4m3fnuz on MI300.
+FP8 = torch.float8_e4m3fnuz if torch.version.hip else torch.float8_e4m3fn
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8}
 # vLLM's own split heuristic in forward_mqa (_compute_num_kv_splits): the
 # scratch is sized for it, and the flat path uses it.
 MIN_WORK_PER_SPLIT = 512
 SPLIT_OCCUPANCY_MULTIPLIER = 2
-# The workspace holds the scratch of the longest context the server accepts.
+# The longest context the server accepts: graphs are captured for it, and
+# the workspace holds the scratch of its split count.
 MAX_MODEL_LEN = 131072
 
 
-def _shape(num_reqs: int, context: int, query_len: int, heads: int, kv: str) -> dict:
-    name = f"{num_reqs:>2} x {context // 1024:>3}k q{query_len} h{heads:<2} {kv}"
+def _ragged(count: int, shortest: int, longest: int) -> tuple[int, ...]:
+    """`count` lengths spread log-uniformly over [shortest, longest], the
+    first one the longest (a fixed draw, the same in every run)."""
+    draw = random.Random(f"{count}/{shortest}/{longest}")
+    lens = [
+        round(math.exp(draw.uniform(math.log(shortest), math.log(longest))))
+        for _ in range(count - 1)
+    ]
+    return (longest, *lens)
+
+
+def _shape(batch: str, lens, query_len: int, heads: int, kv: str, page: int,
+           regime: str) -> dict:
     return {
-        "name": name,
-        "num_reqs": num_reqs,
-        "context": context,
+        "name": f"{batch:<17} q{query_len} h{heads:<2} {kv:<4} p{page}",
+        "batch": batch,
+        "lens": tuple(lens),
         "query_len": query_len,
         "num_heads": heads,
         "kv_dtype": kv,
+        "page_size": page,
+        # What forward_mqa's host side sees as max_seq_len.
+        "planned_len": MAX_MODEL_LEN if regime == "production" else max(lens),
+        "regime": regime,
     }
 
 
-# Requests x context: short and long single requests, and batches up to the
-# KV that fits a serving GPU. Query_len 1 is plain decode (both trees flat).
-SHAPES = tuple(
-    _shape(r, c, q, h, kv)
-    for r, contexts in (
-        (1, (4096, 32768, 131072)),
-        (16, (16384, 65536)),
-        (64, (8192, 32768)),
-    )
+# Batches as the drafter sees them: one request, a uniform batch, a padded
+# one (CUDA graphs pad the batch with requests of length 0), ragged ones.
+PRODUCTION_BATCHES = (
+    ("1 x 4k", (4096,)),
+    ("1 x 32k", (32768,)),
+    ("16 x 32k", (32768,) * 16),
+    ("12+4pad x 16k", (16384,) * 12 + (0,) * 4),
+    ("16 ragged 1-64k", _ragged(16, 1024, 65536)),
+    ("32 ragged .5-100k", _ragged(32, 500, 102400)),
+    ("64 ragged .1-32k", _ragged(64, 100, 32768)),
+)
+# (query_len, heads per rank): K3's 64 heads at TP 8, 4, 2 and 1; 16 x 6 and
+# 32 x 3 are 96-row blocks.
+PRODUCTION_BLOCKS = ((5, 8), (6, 16), (3, 32), (7, 64))
+
+# TP 8 (8 heads per rank) on every batch; the wider blocks on one request,
+# a uniform batch and two ragged ones.
+WIDE_BATCHES = ("1 x 32k", "16 x 32k", "16 ragged 1-64k", "64 ragged .1-32k")
+
+PRODUCTION_SHAPES = tuple(
+    _shape(batch, lens, q, h, kv, page, "production")
+    for page in (16, 64)
+    for kv in ("bf16", "fp8")
+    for q, h in PRODUCTION_BLOCKS
+    for batch, lens in PRODUCTION_BATCHES
+    if h == 8 or batch in WIDE_BATCHES
+) + tuple(
+    # Plain decode takes the flat path in both trees.
+    _shape(batch, lens, 1, h, "bf16", 16, "production")
+    for batch, lens in (("1 x 4k", (4096,)), ("64 ragged .1-32k", _ragged(64, 100, 32768)))
+    for h in (8, 64)
+)
+
+PER_STEP_SHAPES = tuple(
+    _shape(f"{r} x {c // 1024}k", (c,) * r, q, h, kv, 64, "per-step")
+    for r, contexts in ((1, (4096, 32768, 131072)), (16, (16384, 65536)), (64, (8192, 32768)))
     for c in contexts
     for q in (4, 7)
     for h in (8, 64)
     for kv in ("bf16", "fp8")
-) + tuple(
-    _shape(r, c, 1, h, "bf16") for r, c in ((1, 4096), (64, 32768)) for h in (8, 64)
 )
+
+SHAPES = PRODUCTION_SHAPES
 
 
 def num_sms(device: torch.device) -> int:
@@ -89,38 +146,34 @@ def flat_num_kv_splits(max_seq_len: int, sm_count: int) -> int:
 
 
 def make_inputs(shape: dict, device: torch.device, generator: torch.Generator) -> dict:
-    """One forward_mqa call: the query, a paged latent cache with the pages of
-    the requests shuffled, and the scratch vLLM's workspace would hand out."""
-    num_reqs, context = shape["num_reqs"], shape["context"]
+    """One forward_mqa call: the query, a paged latent cache holding every
+    request's pages in shuffled order, the block table and lengths."""
+    lens, page = shape["lens"], shape["page_size"]
     query_len, heads = shape["query_len"], shape["num_heads"]
-    pages_per_req = -(-context // PAGE_SIZE)
-    num_pages = num_reqs * pages_per_req
+    pages = [-(-n // page) for n in lens]
+    num_pages = max(1, sum(pages))
     cache = torch.randn(
-        num_pages,
-        PAGE_SIZE,
-        HEAD_SIZE,
-        generator=generator,
-        device=device,
+        num_pages, page, HEAD_SIZE, generator=generator, device=device,
         dtype=torch.bfloat16,
-    )
-    cache = cache.to(KV_DTYPES[shape["kv_dtype"]])
-    block_table = torch.randperm(num_pages, generator=generator, device=device)
-    block_table = block_table.to(torch.int32).view(num_reqs, pages_per_req)
+    ).to(KV_DTYPES[shape["kv_dtype"]])
+    order = torch.randperm(num_pages, generator=generator, device=device).int()
+    block_table = torch.zeros(len(lens), max(1, max(pages)), dtype=torch.int32,
+                              device=device)
+    start = 0
+    for i, n in enumerate(pages):
+        block_table[i, :n] = order[start : start + n]
+        start += n
     # Scaled so that attention is peaked and the output check is sensitive.
     q = 4 * torch.randn(
-        num_reqs * query_len,
-        heads,
-        HEAD_SIZE,
-        generator=generator,
-        device=device,
-        dtype=torch.bfloat16,
+        len(lens) * query_len, heads, HEAD_SIZE, generator=generator,
+        device=device, dtype=torch.bfloat16,
     )
     return dict(
         q=q,
         kv_cache=cache,
         block_table=block_table,
-        seq_lens=torch.full((num_reqs,), context, dtype=torch.int32, device=device),
-        max_seq_len=context,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        planned_len=shape["planned_len"],
         k_scale=torch.tensor([0.75], dtype=torch.float32, device=device),
         scale=HEAD_SIZE**-0.5,
         sm_count=num_sms(device),
@@ -143,6 +196,9 @@ def bind(load):
     """forward_mqa of the tree, from the allocation of its outputs on."""
     ops = load(OPS)
     block_decode = getattr(ops, "decode_attention_fwd_mla_block", None)
+    takes_sms = block_decode is not None and (
+        "num_sms" in inspect.signature(block_decode).parameters
+    )
 
     def call(x: dict):
         q, kv_cache = x["q"], x["kv_cache"]
@@ -156,27 +212,20 @@ def bind(load):
                 q,
                 kv_cache,
                 num_reqs,
-                x["max_seq_len"],
+                x["planned_len"],
                 sm_count,
                 flat_num_kv_splits(MAX_MODEL_LEN, sm_count),
             )
         else:
-            splits = flat_num_kv_splits(x["max_seq_len"], sm_count)
+            splits = flat_num_kv_splits(x["planned_len"], sm_count)
         attn_logits = scratch(x, splits)
         cache = kv_cache.unsqueeze(2)
         page_size = cache.size(1)
         if block_decode is not None and query_len > 1:
+            extra = (sm_count,) if takes_sms else ()
             block_decode(
-                q,
-                cache,
-                o,
-                lse,
-                block_table,
-                seq_lens,
-                attn_logits,
-                x["scale"],
-                page_size,
-                x["k_scale"],
+                q, cache, o, lse, block_table, seq_lens, attn_logits, x["scale"],
+                page_size, x["k_scale"], *extra,
             )
             return o, lse
         if query_len > 1:
@@ -204,6 +253,12 @@ def bind(load):
     return call
 
 
+def _real_rows(x: dict) -> torch.Tensor:
+    """Query rows of requests with KV (padding requests have none)."""
+    query_len = x["q"].shape[0] // x["seq_lens"].shape[0]
+    return (x["seq_lens"] > 0).repeat_interleave(query_len)
+
+
 def max_differences(a, b) -> tuple[float, float]:
     """Largest |difference| of the outputs and of the LSEs; NaN if either
     tree produced a non-finite value."""
@@ -218,11 +273,11 @@ def max_differences(a, b) -> tuple[float, float]:
 
 def same_output(a, b) -> bool:
     """Equal within bf16 rounding: the trees sum in different orders, and both
-    round outputs and LSEs to bf16 (LSEs near 10 have a step of 1/16)."""
+    round outputs and LSEs to bf16 (LSEs near 10 have a step of 1/16).
+    Padding rows (no KV) are NaN in both."""
     return all(
-        torch.isfinite(x).all()
-        and torch.isfinite(y).all()
-        and torch.allclose(x.float(), y.float(), rtol=1.6e-2, atol=1e-2)
+        torch.equal(x.isnan(), y.isnan())
+        and torch.allclose(x.float(), y.float(), rtol=1.6e-2, atol=1e-2, equal_nan=True)
         for x, y in zip(a, b)
     )
 
@@ -231,45 +286,55 @@ def roofline(shape: dict) -> tuple[int, int]:
     """(bytes, FLOPs) of one call at the least: every KV entry read once, the
     query read and the output written once; QK over 576, PV over 512."""
     kv_bytes = 1 if shape["kv_dtype"] == "fp8" else 2
-    tokens = shape["num_reqs"] * shape["context"]
-    rows = shape["num_reqs"] * shape["query_len"] * shape["num_heads"]
+    tokens = sum(shape["lens"])
+    rows_per_req = shape["query_len"] * shape["num_heads"]
+    rows = len(shape["lens"]) * rows_per_req
     nbytes = tokens * HEAD_SIZE * kv_bytes + rows * (HEAD_SIZE + KV_LORA_RANK + 1) * 2
-    flops = 2 * rows * shape["context"] * (HEAD_SIZE + KV_LORA_RANK)
+    flops = 2 * rows_per_req * tokens * (HEAD_SIZE + KV_LORA_RANK)
     return nbytes, flops
 
 
 # --- standalone run -----------------------------------------------------------
 
 HERE = Path(__file__).resolve().parent
-TREES = ("pristine", "patched")
-# Candidate tiles of the patched kernel for --sweep, by class of row tile
-# (64 rows, or 32 and fewer): KV tokens per iteration, warps, stages.
-SWEEP_TILES = {
-    64: ((64, 8, 2), (64, 8, 1), (128, 8, 1), (32, 8, 2), (32, 8, 3), (16, 8, 3)),
-    32: ((32, 4, 2), (64, 4, 2), (64, 4, 1), (16, 4, 3), (32, 4, 3), (64, 8, 3)),
-}
-if torch.version.hip:  # one stage: CDNA3 has 64 KiB of LDS
+# Candidate tiles for --sweep, by KV dtype (fp8?): _MLABlockTile arguments.
+# ROCm: the tiles that compile for gfx942 and gfx950 without spills within the
+# LDS (python -m scripts.amd_resources --sweep); NVIDIA: the 64-row entries.
+if torch.version.hip:
+    SWEEP_TABLE = "for row in _MLA_BLOCK_TILES_ROCM.values(): row[{fp8}] = {tile}"
     SWEEP_TILES = {
-        64: ((16, 4, 1), (32, 4, 1), (16, 8, 1), (32, 8, 1), (64, 8, 1), (16, 8, 2)),
-        32: ((16, 4, 1), (32, 4, 1), (16, 8, 1), (32, 8, 1), (64, 4, 1), (16, 4, 2)),
+        False: ("64, 16, 8, 1", "64, 16, 8, 2", "32, 16, 8, 2",
+                "32, 16, 4, 1, waves_per_eu=1"),
+        True: ("32, 16, 4, 1, waves_per_eu=1", "32, 16, 8, 2", "64, 16, 4, 2",
+               "64, 16, 8, 2"),
     }
-SWEEP_SHAPES = (
-    "16 x  64k q7 h8  bf16",
-    "16 x  64k q7 h64 bf16",
-    " 1 x 128k q7 h64 bf16",
-    "64 x  32k q7 h64 fp8",
-    "16 x  64k q7 h8  fp8",
-    " 1 x   4k q4 h8  bf16",
-    "16 x  64k q4 h8  bf16",
-    "64 x  32k q4 h8  fp8",
-    " 1 x  32k q4 h8  fp8",
-)
+else:
+    SWEEP_TABLE = "_MLA_BLOCK_TILES_LARGE_SMEM[(64, {fp8})] = {tile}"
+    SWEEP_TILES = {
+        False: ("64, 64, 8, 2", "64, 32, 8, 3", "64, 64, 8, 1"),
+        True: ("64, 128, 8, 1", "64, 64, 8, 2, reload_fp8_v=True", "64, 64, 8, 1"),
+    }
+
+
+def sweep_variants() -> list[str]:
+    """NAME:STATEMENT per candidate tile; NAME is '<kv>-t<index>'."""
+    return [
+        f"{'fp8' if fp8 else 'bf16'}-t{i}:"
+        + SWEEP_TABLE.format(fp8=fp8, tile=f"_MLABlockTile({tile})")
+        for fp8, tiles in SWEEP_TILES.items()
+        for i, tile in enumerate(tiles)
+    ]
+
+
+SWEEP_SHAPES = ("16 x 32k&q5 h8 ", "16 ragged&q5 h8 ", "1 x 32k&q5 h8 ",
+                "16 x 32k&q6 h16", "16 x 32k&q7 h64")
 
 
 def load_tree(label: str):
-    """load(name) of one tree, for the kernel file only: each tree's copy is
-    its own module; vllm.triton_utils/platforms stand-ins are shared. The
-    trees sit next to this file, or next to the runner's cases/ folder."""
+    """load(name) of one tree, for the kernel file only: every call makes a
+    module of its own (so variants can change one copy); the
+    vllm.triton_utils/platforms stand-ins are shared. The trees sit next to
+    this file, or next to the runner's cases/ folder."""
     trees = HERE / "trees" if (HERE / "trees").is_dir() else HERE.parent / "trees"
     root = trees / label
     if str(root) not in sys.path:
@@ -284,6 +349,21 @@ def load_tree(label: str):
         return module
 
     return load
+
+
+def other_trees() -> list[str]:
+    trees = HERE / "trees" if (HERE / "trees").is_dir() else HERE.parent / "trees"
+    return sorted(p.name for p in trees.iterdir()
+                  if p.is_dir() and p.name not in ("pristine", "patched"))
+
+
+def variant(label: str, spec: str):
+    """(name, call) of `NAME:STATEMENT`: the tree's kernel module with the
+    statement run in it, e.g. 'w1:_MLA_BLOCK_WAVES = 1'."""
+    name, _, statement = spec.partition(":")
+    module = load_tree(label)(OPS)
+    exec(statement, vars(module))  # noqa: S102 - the user's own command line
+    return name, bind(lambda _name: module)
 
 
 def median_ms(fn, repeats: int = 20) -> float:
@@ -333,7 +413,7 @@ def input_sets(shape: dict, device: torch.device) -> list[dict]:
 
 
 def time_calls(calls: dict, sets: list[dict], repeats: int) -> dict[str, list[float]]:
-    """ms per call of each callable, graphs replayed in turns; at least 1 ms
+    """ms per call of each callable, graphs replayed in turns; at least 2 ms
     of work per graph replay."""
     once = {name: median_ms(lambda c=c: c(sets[0]), 3) for name, c in calls.items()}
     per_graph = max(1, min(20, math.ceil(2.0 / max(1e-3, min(once.values())))))
@@ -355,197 +435,138 @@ def time_calls(calls: dict, sets: list[dict], repeats: int) -> dict[str, list[fl
     return samples
 
 
-def run_shape(
-    shape: dict,
-    calls: dict,
-    bandwidth: float,
-    peak: float,
-    repeats: int,
-    medians: dict | None = None,
-) -> str:
+def run_shape(shape: dict, calls: dict, bandwidth: float, peak: float, repeats: int,
+              medians: dict | None = None) -> str:
+    """One table line: the flat path's ms, then per other call its ms,
+    speed-up and % of the bound; the bound; each call's output check."""
     device = torch.device("cuda")
     sets = input_sets(shape, device)
     out_flat = calls["pristine"](sets[0])
-    checks, working = [], {}
+    checks, working = [], {"pristine": calls["pristine"]}
     for name, c in calls.items():
         if name == "pristine":
-            working[name] = c
             continue
         try:
             out = c(sets[0])
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-            checks.append(f"{name} failed: {type(e).__name__}")
+            checks.append(f"{name} failed: {type(e).__name__}: {str(e)[:80]}")
             continue
         working[name] = c
-        d_o, d_lse = max_differences(out, out_flat)
+        real = _real_rows(sets[0])
+        d_o, d_lse = max_differences(
+            (out[0][real], out[1][real]), (out_flat[0][real], out_flat[1][real])
+        )
         ok = same_output(out, out_flat)
-        checks.append(f"{'ok' if ok else 'MISMATCH'} o {d_o:.1e} lse {d_lse:.1e}")
-    calls = working
-    times = time_calls(calls, sets, repeats)
+        checks.append(f"{name} {'ok' if ok else 'MISMATCH'} o {d_o:.1e} lse {d_lse:.1e}")
+    times = time_calls(working, sets, repeats)
     if medians is not None:
         medians[shape["name"]] = {n: statistics.median(t) for n, t in times.items()}
     nbytes, flops = roofline(shape)
     t_mem, t_flop = nbytes / bandwidth * 1e3, flops / peak * 1e3
     bound, kind = max((t_mem, "mem"), (t_flop, "flop"))
     base = statistics.median(times["pristine"])
-    cells = [f"{shape['name']:<22}", f"{base:9.3f}"]
-    for name in calls:
+    cells = [f"{shape['name']:<36}", f"{base:8.3f}"]
+    for name in working:
         if name == "pristine":
             continue
         t = statistics.median(times[name])
         ratio = statistics.median(b / n for b, n in zip(times["pristine"], times[name]))
-        cells += [f"{name:>8} {t:9.3f} {ratio:6.2f}x {100 * bound / t:5.1f}%"]
-    cells += [f"{bound:8.3f} {kind:<4}", "; ".join(checks)]
+        cells += [f"{name:>8} {t:8.3f} {ratio:5.2f}x {100 * bound / t:5.1f}%"]
+    cells += [f"{bound:7.3f} {kind:<4}", "; ".join(checks)]
     del sets
     torch.cuda.empty_cache()
     return "  ".join(cells)
 
 
-def kernel_resources(ops) -> str:
+def kernel_resources(ops) -> list[str]:
     """Registers, spills and shared memory of each compiled variant of the
     block kernel (best effort: Triton's cache layout is internal)."""
-    found = []
+    found = set()
     try:
         for cache in ops._fwd_mla_block_kernel_stage1.device_caches.values():
-            for kernel in cache[0].values():
-                found.append(
+            for key, kernel in cache[0].items():
+                meta = kernel.metadata
+                found.add(
+                    f"{meta.num_warps} warps {meta.num_stages} stages: "
                     f"{kernel.n_regs} regs {kernel.n_spills} spills "
-                    f"{kernel.metadata.shared // 1024} KiB"
+                    f"{meta.shared // 1024} KiB ({str(key)[:160]})"
                 )
     except Exception as e:  # noqa: BLE001
-        return f"unknown ({type(e).__name__})"
-    return ", ".join(sorted(set(found)))
+        return [f"unknown ({type(e).__name__})"]
+    return sorted(found)
 
 
-def check_ragged(load_flat, load_new) -> None:
-    """New vs flat on ragged batches: page sizes 1/16/64, query_len 2-8, 8-64
-    heads, bf16 and fp8, padding requests of length 0 at the end."""
-    flat, new = bind(load_flat), bind(load_new)
+def check_ragged(flat, new) -> bool:
+    """New vs flat on small ragged batches: page sizes 1/16/64, query_len 2-8,
+    8-64 heads, bf16 and fp8, a padding request of length 0 at the end, the
+    scratch sized for MAX_MODEL_LEN (as captured) and for the batch."""
     device = torch.device("cuda")
     g = torch.Generator(device).manual_seed(1)
-    worst = 0.0
-    cases = 0
+    draw = torch.Generator().manual_seed(1)  # the lengths, on the host
+    worst, cases, bad = 0.0, 0, 0
     for page in (1, 16, 64):
-        for query_len in (2, 4, 7):
-            for heads in (8, 16, 64):
-                for kv in ("bf16", "fp8"):
-                    lens = torch.randint(1, 3000, (5,), generator=g, device=device)
-                    lens = torch.cat([lens, lens.new_zeros(1)]).int()
-                    pages = -(-int(lens.max()) // page)
-                    cache = torch.randn(
-                        6 * pages + 3, page, HEAD_SIZE, generator=g, device=device
-                    ).to(KV_DTYPES[kv])
-                    table = torch.randperm(6 * pages + 3, generator=g, device=device)
-                    x = dict(
-                        q=4
-                        * torch.randn(
-                            6 * query_len,
-                            heads,
-                            HEAD_SIZE,
-                            generator=g,
-                            device=device,
-                            dtype=torch.bfloat16,
-                        ),
-                        kv_cache=cache,
-                        seq_lens=lens,
-                        max_seq_len=int(lens.max()),
-                        block_table=table[: 6 * pages].int().view(6, pages),
-                        k_scale=torch.tensor([0.5], device=device),
-                        scale=HEAD_SIZE**-0.5,
-                        sm_count=num_sms(device),
-                    )
+        for query_len, heads in ((2, 8), (4, 16), (7, 64), (6, 16), (3, 32), (8, 8)):
+            for kv in ("bf16", "fp8"):
+                for planned in ("batch", "max_model_len"):
+                    lens = torch.randint(1, 3000, (5,), generator=draw).tolist() + [0]
+                    shape = _shape("ragged", lens, query_len, heads, kv, page, "per-step")
+                    x = make_inputs(shape, device, g)
+                    if planned == "max_model_len":
+                        x["planned_len"] = MAX_MODEL_LEN
                     a, b = flat(x), new(x)
-                    real = slice(0, 5 * query_len)
-                    a_real, b_real = (a[0][real], a[1][real]), (b[0][real], b[1][real])
-                    d_o, d_lse = max_differences(b_real, a_real)
-                    pad_same = bool(
-                        torch.equal(
-                            a[0][real.stop :].isnan(), b[0][real.stop :].isnan()
-                        )
-                    )
+                    real = _real_rows(x)
+                    d_o, d_lse = max_differences((b[0][real], b[1][real]),
+                                                 (a[0][real], a[1][real]))
+                    ok = same_output(b, a)
                     cases += 1
-                    print(
-                        f"  page {page} q{query_len} h{heads} {kv}: o {d_o:.1e} "
-                        f"lse {d_lse:.1e}",
-                        flush=True,
-                    )
-                    if not same_output(b_real, a_real) or not pad_same:
-                        print(
-                            f"MISMATCH page {page} q{query_len} h{heads} {kv}: "
-                            f"o {d_o:.2e} lse {d_lse:.2e} padding same {pad_same}"
-                        )
+                    bad += not ok
+                    if not ok:
+                        print(f"MISMATCH page {page} q{query_len} h{heads} {kv} "
+                              f"{planned}: o {d_o:.2e} lse {d_lse:.2e}", flush=True)
                     worst = max(worst, d_o if d_o == d_o else float("inf"))
-    print(f"ragged check: {cases} cases, max |o diff| {worst:.2e}", flush=True)
+    print(f"ragged check: {cases} cases, {bad} mismatches, max |o diff| {worst:.2e}",
+          flush=True)
+    return bad == 0
 
 
-def tile_class(rows: int) -> int:
-    return 64 if rows > 32 else 32
+def calls_for(shape: dict, calls: dict) -> dict:
+    """The calls that differ on this shape: a sweep variant '<kv>-t<i>' only
+    changes the tile of that KV dtype."""
+    return {name: call for name, call in calls.items()
+            if "-t" not in name or name.startswith(shape["kv_dtype"] + "-")}
 
 
-def with_tiles(load, choose) -> dict:
-    """A patched call whose tile chooser is choose(class, kv_is_fp8); the
-    table tile's other fields (rows, fp8 reload, programs per SM) are kept."""
-    ops = load(OPS)
-    original = ops._mla_block_tile
+def best_tiles(medians: dict) -> dict[str, tuple[str, float, float]]:
+    """Per KV dtype: (best candidate tile, its geometric mean ms, the shipped
+    tile's), over the sweep shapes of that dtype."""
+    def geomean(name: str, names: list[str]) -> float:
+        return math.prod(medians[n][name] for n in names) ** (1 / len(names))
 
-    def tile(rows, kv_dtype, device):
-        n, warps, stages = choose(tile_class(rows), kv_dtype.itemsize == 1)
-        return dataclasses.replace(
-            original(rows, kv_dtype, device),
-            block_n=n,
-            num_warps=warps,
-            num_stages=stages,
-        )
-
-    ops._mla_block_tile = tile
-    return bind(lambda name: ops)
-
-
-def sweep_calls(load) -> dict:
-    """One patched call per candidate index (candidate i of each class)."""
-    return {
-        f"cand{i}": with_tiles(load, lambda c, fp8, i=i: SWEEP_TILES[c][i])
-        for i in range(len(SWEEP_TILES[64]))
-    }
-
-
-def best_tiles(results: dict[str, dict[str, float]]) -> dict:
-    """Per (class, fp8): the candidate with the smallest geometric mean time
-    over the sweep shapes of that class."""
-    chosen = {}
-    for cls in SWEEP_TILES:
-        for fp8 in (False, True):
-            names = [
-                n
-                for n in results
-                if tile_class(shape_rows(n)) == cls and n.endswith("fp8") == fp8
-            ]
-            if not names:
-                continue
-            scores = []
-            for i in range(len(SWEEP_TILES[cls])):
-                times = [results[n].get(f"cand{i}", float("inf")) for n in names]
-                scores.append(math.prod(times) ** (1 / len(times)))
-            chosen[(cls, fp8)] = SWEEP_TILES[cls][scores.index(min(scores))]
-    return chosen
-
-
-def shape_rows(name: str) -> int:
-    shape = next(s for s in SHAPES if s["name"] == name)
-    return shape["query_len"] * shape["num_heads"]
+    best = {}
+    for fp8, tiles in SWEEP_TILES.items():
+        kv = "fp8" if fp8 else "bf16"
+        names = [n for n, m in medians.items() if f"{kv}-t0" in m]
+        if names:
+            scores = {tile: geomean(f"{kv}-t{i}", names) for i, tile in enumerate(tiles)}
+            tile = min(scores, key=scores.get)
+            best[kv] = (tile, scores[tile], geomean("patched", names))
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--shape", action="append", help="shapes whose name contains this"
-    )
-    parser.add_argument(
-        "--sweep",
-        action="store_true",
-        help="time candidate tiles, then every shape with the best",
-    )
+    parser.add_argument("--regime", choices=("production", "per-step"),
+                        default="production")
+    parser.add_argument("--shape", action="append",
+                        help="shapes whose name contains this (repeatable; "
+                        "A&B: both A and B)")
     parser.add_argument("--check", action="store_true", help="ragged batches only")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME:STATEMENT, a copy of the patched kernel module "
+                        "with the statement run in it (repeatable)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the candidate tiles (SWEEP_TILES) on SWEEP_SHAPES, "
+                        "and the best per KV dtype")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
 
@@ -554,63 +575,48 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()
     peak = matmul_peak()
+    device = torch.device("cuda")
+    arch = getattr(torch.cuda.get_device_properties(device), "gcnArchName", "")
     print(
-        f"{torch.cuda.get_device_name()}; torch {torch.__version__}, Triton "
-        f"{triton.__version__}; {num_sms(torch.device('cuda'))} SMs"
+        f"{torch.cuda.get_device_name()} {arch.split(':')[0]}; torch "
+        f"{torch.__version__}, Triton {triton.__version__}; {num_sms(device)} SMs"
     )
     print(
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write of a 4 GiB "
         f"device copy), bf16 peak {peak / 1e12:.0f} TFLOP/s (8192^3 matmul)"
     )
-    if args.check:
-        check_ragged(load_tree("pristine"), load_tree("patched"))
-        return 0
-    header = (
-        "shape                     flat ms  [tree  new ms  speed-up  % of bound]"
-        "  bound ms  check (new vs flat, max |diff|)"
-    )
     pristine = bind(load_tree("pristine"))
-    shapes = [
-        s for s in SHAPES if not args.shape or any(t in s["name"] for t in args.shape)
-    ]
     patched = bind(load_tree("patched"))
-    if args.sweep:
-        print(header, flush=True)
-        results: dict = {}
-        sweep = sweep_calls(load_tree("patched"))
-        for shape in SHAPES:
-            if shape["name"] in SWEEP_SHAPES:
-                print(
-                    run_shape(
-                        shape,
-                        {"pristine": pristine, **sweep},
-                        bandwidth,
-                        peak,
-                        7,
-                        results,
-                    ),
-                    flush=True,
-                )
-        for name, call in sweep.items():
-            print(f"{name}: {kernel_resources(call.ops)}")
-        chosen = best_tiles(results)
-        print("chosen tiles (class, fp8) -> (block_n, warps, stages):", chosen)
-        patched = with_tiles(
-            load_tree("patched"), lambda c, fp8: chosen.get((c, fp8), SWEEP_TILES[c][0])
-        )
-    print(header, flush=True)
+    if args.check:
+        return 0 if check_ragged(pristine, patched) else 1
+    calls = {"pristine": pristine, "patched": patched}
+    # Other trees of the package (gpubench --rev LABEL=REV), by label.
+    calls.update((label, bind(load_tree(label))) for label in other_trees())
+    specs = list(args.variant) + (sweep_variants() if args.sweep else [])
+    calls.update(variant("patched", spec) for spec in specs)
+    shapes = PRODUCTION_SHAPES if args.regime == "production" else PER_STEP_SHAPES
+    wanted = args.shape or (SWEEP_SHAPES if args.sweep else None)
+    shapes = [s for s in shapes if not wanted or any(
+        all(part in s["name"] for part in t.split("&")) for t in wanted)]
+    print(f"{args.regime} regime: split counts planned for "
+          + ("max_model_len " + str(MAX_MODEL_LEN) if args.regime == "production"
+             else "each shape's longest context"))
+    print("shape                                 flat ms  [tree  ms  speed-up  "
+          "% of bound]  bound ms  check (vs flat, max |diff|)", flush=True)
+    medians: dict = {}
     for shape in shapes:
-        print(
-            run_shape(
-                shape,
-                {"pristine": pristine, "patched": patched},
-                bandwidth,
-                peak,
-                args.repeats,
-            ),
-            flush=True,
-        )
-    print(f"patched kernels: {kernel_resources(patched.ops)}")
+        line = run_shape(shape, calls_for(shape, calls), bandwidth, peak,
+                         args.repeats, medians)
+        print(line, flush=True)
+    if args.sweep:
+        for kv, (tile, best, shipped) in best_tiles(medians).items():
+            # One line per KV dtype, read by the hardware runbook's report.
+            print(f"best tile {arch.split(':')[0] or 'cuda'} {kv}: _MLABlockTile({tile}) "
+                  f"{best:.4f} ms (geometric mean; shipped tile {shipped:.4f} ms)")
+    for name, call in calls.items():
+        if name != "pristine":
+            for line in kernel_resources(call.ops):
+                print(f"{name} kernel: {line}")
     return 0
 
 

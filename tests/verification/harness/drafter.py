@@ -327,12 +327,21 @@ def build(
     cls=None,
     checkpoint_dir: str | None = None,
     eager: bool = False,
+    draft_compilation=None,
 ) -> Draft:
     """Construct the drafter, write + load a synthetic checkpoint through the
-    real ``load_weights`` / ``process_weights_after_loading``."""
+    real ``load_weights`` / ``process_weights_after_loading``.
+    ``draft_compilation``: what the loader turns the target's compilation
+    config into for the draft (``dspark.utils.draft_compilation_config``)."""
     torch.set_default_dtype(torch.bfloat16)
     hf_config = make_hf_config(rope=rope, confidence=confidence, num_layers=num_layers)
     vllm_config = make_vllm_config(hf_config, cache_dtype=cache_dtype, eager=eager)
+    if draft_compilation is not None:
+        object.__setattr__(
+            vllm_config,
+            "compilation_config",
+            draft_compilation(vllm_config.compilation_config),
+        )
     cls = cls or drafter_class()
     checkpoint_dir = checkpoint_dir or tempfile.mkdtemp(prefix="k3-dspark-ckpt-")
     tensors = write_checkpoint(hf_config, checkpoint_dir, seed)

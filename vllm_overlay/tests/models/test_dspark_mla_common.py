@@ -92,7 +92,7 @@ def test_k3_dspark_nvidia_binding_uses_nvidia_mla(monkeypatch):
     assert K3DSparkModel.decoder_layer_cls is K3DSparkDecoderLayer
     assert K3DSparkForCausalLM.model_cls is K3DSparkModel
     assert nvidia_dspark_mla.MultiHeadLatentAttention is MultiHeadLatentAttention
-    assert nvidia_dspark_mla.KimiMLP is KimiMLP
+    assert K3DSparkDecoderLayer.mlp_cls is KimiMLP
     # NVIDIA's MLA module owns its KV cache: the default seam is kept.
     assert K3DSparkModel.kv_cache_layer is K3DSparkModelBase.kv_cache_layer
 
@@ -105,16 +105,16 @@ def test_k3_dspark_nvidia_binding_uses_nvidia_mla(monkeypatch):
             calls.append(kwargs)
             self.o_proj = SimpleNamespace(reduce_results=True)
 
+    class RecordingMLP(RecordingModule):
+        def __init__(self, **kwargs):
+            super().__init__(mlp_calls, **kwargs)
+
     monkeypatch.setattr(
         nvidia_dspark_mla,
         "MultiHeadLatentAttention",
         lambda **kwargs: RecordingModule(attn_calls, **kwargs),
     )
-    monkeypatch.setattr(
-        nvidia_dspark_mla,
-        "KimiMLP",
-        lambda **kwargs: RecordingModule(mlp_calls, **kwargs),
-    )
+    monkeypatch.setattr(K3DSparkDecoderLayer, "mlp_cls", RecordingMLP)
     monkeypatch.setattr(common_dspark_mla, "get_draft_quant_config", lambda _: None)
     monkeypatch.setattr(common_dspark_mla, "RMSNorm", lambda *a, **kw: nn.Identity())
     config = SimpleNamespace(

@@ -3,24 +3,18 @@
 """DeepseekScalingRotaryEmbedding returns query/key in their input dtypes.
 
 The RoPE is built with the real ``get_rope`` the way the Kimi-K3 DSpark
-drafter builds it (``vllm/models/kimi_k3/nvidia/mla.py``): DeepSeek YaRN
+drafter builds it (``vllm/models/kimi_k3/common/mla_rope.py``): DeepSeek YaRN
 scaling, interleaved (GPT-J style) rotation and an fp32 cos/sin table, then
 fed bf16 activations. Everything runs on CPU tensors.
 """
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.rotary_embedding import (
     DeepseekScalingRotaryEmbedding,
     get_rope,
-)
-from vllm.model_executor.layers.rotary_embedding import (
-    deepseek_scaling_rope as deepseek_scaling_rope_module,
 )
 
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
@@ -124,97 +118,3 @@ def test_fp32_table_keeps_half_input_dtype(
     # The rotation is done in fp32 and rounded to the input dtype exactly once.
     assert torch.equal(out_query, _reference_fp32(rope, positions, query).to(dtype))
     assert torch.equal(out_key, _reference_fp32(rope, positions, key).to(dtype))
-
-
-@pytest.mark.parametrize("method", FORWARD_METHODS)
-@pytest.mark.parametrize("head_size,rotary_dim", HEAD_AND_ROTARY_DIMS)
-@torch.inference_mode()
-def test_fp32_input_unchanged(method: str, head_size: int, rotary_dim: int):
-    rope = _drafter_rope(head_size, rotary_dim)
-    positions, query, key = _inputs(head_size, torch.float32)
-
-    out_query, out_key = getattr(rope, method)(positions, query.clone(), key.clone())
-
-    assert out_query.dtype == torch.float32
-    assert out_key is not None and out_key.dtype == torch.float32
-    assert torch.equal(out_query, _reference_fp32(rope, positions, query))
-    assert torch.equal(out_key, _reference_fp32(rope, positions, key))
-
-
-def test_matching_dtype_trace_has_no_cast():
-    """A cache already in the input dtype traces exactly as before the fix.
-
-    The MLA RoPE + KV-cache fusion pass matches a trace of forward_static with
-    a cache in the activation dtype; the cast back must not appear there.
-    """
-
-    def rope_fn(positions, query, key, cos_sin_cache):
-        return DeepseekScalingRotaryEmbedding.forward_static(
-            positions, query, key, 64, 64, cos_sin_cache, False
-        )
-
-    positions, query, key = _inputs(64, torch.bfloat16)
-    cos_sin_cache = torch.randn(MAX_POSITION, 64, dtype=torch.bfloat16)
-    graph = make_fx(rope_fn)(positions, query, key, cos_sin_cache).graph
-    targets = [node.target for node in graph.nodes if node.op == "call_function"]
-    assert torch.ops.aten.mul.Tensor in targets
-    assert torch.ops.aten._to_copy.default not in targets
-
-
-@torch.inference_mode()
-def test_cuda_flashinfer_path_untouched(monkeypatch: pytest.MonkeyPatch):
-    """FlashInfer cannot run here; check what selects it and what it is given.
-
-    With FlashInfer available on CUDA and a half-precision rope, the cache stays
-    fp32 and forward_cuda hands query/key to the in-place FlashInfer op,
-    returning the very same tensors without going through forward_static.
-    """
-    monkeypatch.setattr(
-        deepseek_scaling_rope_module,
-        "current_platform",
-        SimpleNamespace(is_cuda=lambda: True),
-    )
-    monkeypatch.setattr(deepseek_scaling_rope_module, "has_flashinfer", lambda: True)
-    monkeypatch.setattr(
-        DeepseekScalingRotaryEmbedding, "enabled", classmethod(lambda cls: True)
-    )
-    calls = []
-    monkeypatch.setattr(
-        torch.ops.vllm,
-        "flashinfer_rotary_embedding",
-        lambda *args: calls.append(args),
-    )
-
-    def _no_forward_static(*args, **kwargs):
-        raise AssertionError("FlashInfer path must not call forward_static")
-
-    monkeypatch.setattr(
-        DeepseekScalingRotaryEmbedding, "forward_static", _no_forward_static
-    )
-
-    rope = DeepseekScalingRotaryEmbedding(
-        64,
-        64,
-        ORIGINAL_MAX_POSITION,
-        DEEPSEEK_YARN["rope_theta"],
-        False,
-        YARN_FACTOR,
-        torch.bfloat16,
-        beta_fast=DEEPSEEK_YARN["beta_fast"],
-        beta_slow=DEEPSEEK_YARN["beta_slow"],
-        mscale=DEEPSEEK_YARN["mscale"],
-        mscale_all_dim=DEEPSEEK_YARN["mscale_all_dim"],
-    )
-    assert rope.use_flashinfer
-    assert rope.cos_sin_cache.dtype == torch.float32
-
-    positions, query, key = _inputs(64, torch.bfloat16)
-    out_query, out_key = rope.forward_cuda(positions, query, key)
-
-    assert out_query is query and out_key is key
-    assert len(calls) == 1
-    op_positions, op_query, op_key, op_head_size, op_cache, op_is_neox = calls[0]
-    assert torch.equal(op_positions, positions)
-    assert op_query is query and op_key is key
-    assert op_head_size == 64 and op_is_neox is False
-    assert op_cache is rope.cos_sin_cache

@@ -8,21 +8,19 @@ first such draft position and resample from the target distribution alone, so
 that a broken drafter can only lower the acceptance rate, never change the
 output distribution.
 
-On a GPU the kernels run compiled. Without one, they run on CPU tensors in
-Triton's interpreter, in a spawned worker process: Triton picks the interpreter
-when a kernel is decorated, so it has to be on before vLLM is imported, and the
-worker keeps it out of this process and out of other tests.
+The kernels run compiled, so these tests need a GPU.
 """
 
-import multiprocessing
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 
-tl = pytest.importorskip("triton.language")
-pytestmark = pytest.mark.skip_global_cleanup
+from vllm.platforms import current_platform
+
+pytestmark = pytest.mark.skipif(
+    not current_platform.is_cuda_alike(), reason="Triton kernels need a GPU"
+)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -49,80 +47,20 @@ METHODS = {"standard": False, "block": True}
 RejectionSample = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _interpreter_log1p(x):
-    return tl.log(1.0 + x)
-
-
-def _rejection_sample(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run vLLM's rejection_sample on CPU inputs and return CPU outputs."""
+@pytest.fixture
+def rejection_sample() -> RejectionSample:
+    """Runs rejection_sample on the GPU: CPU inputs in, CPU outputs out."""
     from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        # The interpreter cannot run libdevice externs. The resample residual
-        # is the only user.
-        rejection_sampler_utils.tldevice = types.SimpleNamespace(
-            log1p=_interpreter_log1p
-        )
-    inputs = {
-        name: value.to(device) if isinstance(value, torch.Tensor) else value
-        for name, value in inputs.items()
-    }
-    sampled, num_sampled = rejection_sampler_utils.rejection_sample(**inputs)
-    return sampled.cpu(), num_sampled.cpu()
+    def run(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = {
+            name: value.cuda() if isinstance(value, torch.Tensor) else value
+            for name, value in inputs.items()
+        }
+        sampled, num_sampled = rejection_sampler_utils.rejection_sample(**inputs)
+        return sampled.cpu(), num_sampled.cpu()
 
-
-def _has_triton() -> bool:
-    from vllm.triton_utils import HAS_TRITON
-
-    return HAS_TRITON
-
-
-def _split_requests(inputs: dict, num_chunks: int) -> list[dict]:
-    """Split a batch into batches of consecutive requests. Requests are verified
-    independently, so the outputs concatenate to those of the whole batch."""
-    cu_num_logits = inputs["cu_num_logits"]
-    bounds = torch.linspace(0, len(cu_num_logits) - 1, num_chunks + 1).long()
-    chunks = []
-    for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        lo, hi = cu_num_logits[start].item(), cu_num_logits[end].item()
-        chunk = dict(inputs)
-        for name in (
-            "target_logits",
-            "draft_sampled",
-            "pos",
-            "expanded_idx_mapping",
-            "expanded_local_pos",
-        ):
-            chunk[name] = inputs[name][lo:hi]
-        chunk["cu_num_logits"] = cu_num_logits[start : end + 1] - lo
-        chunk["idx_mapping"] = inputs["idx_mapping"][start:end]
-        chunks.append(chunk)
-    return chunks
-
-
-@pytest.fixture(scope="module")
-def rejection_sample() -> Iterator[RejectionSample]:
-    if torch.cuda.is_available():
-        yield _rejection_sample
-        return
-    num_workers = 2
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("TRITON_INTERPRET", "1")
-        # vLLM keeps Triton on without an active GPU driver when the visible
-        # device list is empty on purpose.
-        env.setenv("CUDA_VISIBLE_DEVICES", "")
-        pool = multiprocessing.get_context("spawn").Pool(num_workers)
-    with pool:
-        if not pool.apply(_has_triton):
-            pytest.skip("vLLM does not enable Triton's interpreter here")
-
-        def run(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-            outputs = pool.map(_rejection_sample, _split_requests(inputs, num_workers))
-            sampled, num_sampled = zip(*outputs)
-            return torch.cat(sampled), torch.cat(num_sampled)
-
-        yield run
+    return run
 
 
 def _inputs(

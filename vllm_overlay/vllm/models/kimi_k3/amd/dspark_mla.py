@@ -81,6 +81,8 @@ class K3DSparkRotaryEmbedding(nn.Module):
 
 
 class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
+    mlp_cls = KimiMLP
+
     def build_self_attn(
         self,
         *,
@@ -158,22 +160,6 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
             quant_config=quant_config,
             prefix=prefix,
             non_causal_multi_token_decode=True,
-        )
-
-    def build_mlp(
-        self,
-        *,
-        config,
-        quant_config: QuantizationConfig | None,
-        prefix: str,
-    ) -> nn.Module:
-        return KimiMLP(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            hidden_act=config.hidden_act,
-            quant_config=quant_config,
-            reduce_results=False,
-            prefix=prefix,
         )
 
 

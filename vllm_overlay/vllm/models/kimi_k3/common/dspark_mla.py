@@ -9,7 +9,8 @@ and any other platform's). A platform supplies only what differs:
   module (``self_attn``). The base reads the latent geometry from it:
   ``q_lora_rank``, ``kv_lora_rank``, ``qk_rope_head_dim``, ``kv_a_layernorm``,
   ``rotary_emb`` and ``o_proj``.
-* :meth:`K3DSparkDecoderLayerBase.build_mlp` builds the dense MLP.
+* :attr:`K3DSparkDecoderLayerBase.mlp_cls`: the platform's dense MLP class,
+  which :meth:`K3DSparkDecoderLayerBase.build_mlp` builds.
 * :meth:`K3DSparkModelBase.kv_cache_layer` maps a layer's ``self_attn`` to the
   attention layer that owns its KV cache (``kv_cache``, ``kv_cache_dtype``,
   ``_k_scale``, ``impl`` and ``layer_name``): ``self_attn`` itself unless the
@@ -79,7 +80,10 @@ def _duplicate_context_kv_weights(
 
 
 class K3DSparkDecoderLayerBase(nn.Module):
-    """Draft decoder layer; subclasses build the attention and the MLP."""
+    """Draft decoder layer; subclasses build the attention and name the MLP."""
+
+    # The platform's KimiMLP; every platform's takes the same arguments.
+    mlp_cls: ClassVar[type[nn.Module]]
 
     def __init__(
         self,
@@ -133,7 +137,14 @@ class K3DSparkDecoderLayerBase(nn.Module):
     ) -> nn.Module:
         """Build the dense MLP with ``reduce_results=False``: its all-reduce is
         fused into the next RMSNorm."""
-        raise NotImplementedError
+        return self.mlp_cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            quant_config=quant_config,
+            reduce_results=False,
+            prefix=prefix,
+        )
 
     def forward(
         self,

@@ -21,6 +21,8 @@ from vllm.models.kimi_k3.nvidia.model import KimiMLP
 
 
 class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
+    mlp_cls = KimiMLP
+
     def build_self_attn(
         self,
         *,
@@ -44,22 +46,6 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
             prefix=prefix,
             use_rope=True,
             non_causal_multi_token_decode=True,
-        )
-
-    def build_mlp(
-        self,
-        *,
-        config,
-        quant_config: QuantizationConfig | None,
-        prefix: str,
-    ) -> nn.Module:
-        return KimiMLP(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            hidden_act=config.hidden_act,
-            quant_config=quant_config,
-            reduce_results=False,
-            prefix=prefix,
         )
 
 

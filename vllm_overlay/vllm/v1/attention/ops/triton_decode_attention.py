@@ -37,6 +37,7 @@ from packaging import version
 
 from vllm.platforms import current_platform
 from vllm.triton_utils import tl, triton
+from vllm.utils.math_utils import cdiv, next_power_of_2
 
 is_hip_ = current_platform.is_rocm()
 
@@ -824,8 +825,15 @@ def decode_attention_fwd(
 # Every query row of a request attends the same KV span, so one program takes a
 # tile of the request's query_len x num_heads rows and reads each KV tile once
 # for all of them, with tl.dot on the whole row tile. The KV range is split
-# across programs (split-K) as far as it pays to fill the GPU; stage 2 above
-# merges the partial results.
+# across programs (split-K); a second kernel, below, merges the splits.
+#
+# Speculative drafters decode under CUDA graphs captured with max_seq_len =
+# max_model_len and a padded batch, so what the host would derive from the
+# lengths is wrong at every replay. The host sizes only the grid (from the
+# batch size and the GPU) and the scratch (the most splits one request may
+# take); both kernels share the batch's real KV out over the programs on the
+# device (_mla_block_splits), busy programs first, so that short, long and
+# ragged batches all keep the GPU full.
 
 
 @dataclass(frozen=True)
@@ -837,8 +845,10 @@ class _MLABlockTile:
     # An fp8 tile is loaded a second time for PV (see the kernel).
     reload_fp8_v: bool = False
     # Programs of this tile that run at once on an SM (registers, shared
-    # memory), for the split heuristic.
+    # memory), for sizing the splits.
     programs_per_sm: int = 1
+    # ROCm compiler options (see _mla_block_launch_options).
+    waves_per_eu: int = 0
 
 
 # Tiles measured best on an H200 (512 + 64 latent, pages of 64), by query rows
@@ -860,14 +870,31 @@ _LARGE_SMEM_BYTES = 216 * 1024
 # tokens, 70-74 KiB as compiled for an H200 (2 x 36 KiB of KV stages; the
 # query tile passes through shared memory once).
 _MLA_BLOCK_TILE_SMALL_SMEM = _MLABlockTile(32, 32, 4, 2, reload_fp8_v=True)
-# ROCm (CDNA3: 64 KiB of LDS), one stage like the grouped kernel: the MFMA
-# operands pass through LDS, 36 KiB of query once and 18 KiB of KV a tile.
-_MLA_BLOCK_TILE_ROCM = _MLABlockTile(32, 16, 4, 1)
+# ROCm, by architecture and KV dtype (fp8?): 16 KV tokens a tile, one stage
+# where 64 KiB of LDS (CDNA3) allow no more. Chosen by compiling for each
+# architecture (Triton 3.8): LDS, VGPRs and spills, and the waves per SIMD they
+# leave; how fast they run is measured on the hardware, not here. bf16: 64
+# rows in 8 warps, ~210 VGPRs and 64 KiB, two waves per SIMD, the KV read
+# once per 64 rows. fp8 on gfx942: 32 rows in 4 warps (8 warps spill there),
+# 32 KiB, one wave. fp8 on gfx950: 32 rows in 8 warps and two stages, ~210
+# VGPRs, two waves (64 rows reach 254 of 256 VGPRs).
+_MLA_BLOCK_TILES_ROCM = {
+    "gfx942": {
+        False: _MLABlockTile(64, 16, 8, 1),
+        True: _MLABlockTile(32, 16, 4, 1, waves_per_eu=1),
+    },
+    "gfx950": {
+        False: _MLABlockTile(64, 16, 8, 1),
+        True: _MLABlockTile(32, 16, 8, 2),
+    },
+}
 
-# A split reads at least this many KV tokens, and costs this many more for
-# writing and merging its partial output and loading the query tile.
+# Partial outputs a stage-2 program merges at once: 16K measured on an H200;
+# 4K on ROCm, where larger tiles spill scalar registers (compiled for gfx942).
+_MLA_BLOCK_MERGE_TILE = 4096 if is_hip_ else 16384
+# A split reads at least this many KV tokens: loading its query tile and
+# writing its partial output cost about as much as reading that much KV.
 _MLA_BLOCK_MIN_SPLIT_TOKENS = 128
-_MLA_BLOCK_SPLIT_OVERHEAD_TOKENS = 256
 
 
 @functools.cache
@@ -876,19 +903,42 @@ def _max_shared_memory(device_index: int) -> int:
     return driver.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
+@functools.cache
+def _rocm_tiles() -> dict[bool, _MLABlockTile]:
+    """This GPU's row of _MLA_BLOCK_TILES_ROCM (gfx942's for other archs)."""
+    arch = triton.runtime.driver.active.get_current_target().arch
+    return _MLA_BLOCK_TILES_ROCM.get(arch, _MLA_BLOCK_TILES_ROCM["gfx942"])
+
+
+def _mla_block_launch_options(tile: _MLABlockTile) -> dict:
+    """Compiler options of a tile: on ROCm, 16x16 MFMAs, and the waves per EU
+    the tile asks for (0: as many as its registers allow)."""
+    if not is_hip_:
+        return {}
+    options = {"matrix_instr_nonkdim": 16, "waves_per_eu": tile.waves_per_eu}
+    if triton.runtime.driver.active.get_current_target().arch != "gfx950":
+        options["kpack"] = 2  # gfx950 takes only 1, its default
+    return options
+
+
 def _mla_block_tile(
     rows: int, kv_dtype: torch.dtype, device: torch.device
 ) -> _MLABlockTile:
     """The tile for a request's `rows` query rows (query_len x num_heads)."""
-    rows_per_tile = min(64, max(16, triton.next_power_of_2(rows)))
+    rows_per_tile = min(64, max(16, next_power_of_2(rows)))
     if is_hip_:
-        tile = _MLA_BLOCK_TILE_ROCM
-    # CPU tensors run in Triton's interpreter, where any tile fits.
-    elif device.type == "cpu" or (
-        device.type == "cuda" and _max_shared_memory(device.index) >= _LARGE_SMEM_BYTES
+        tile = _rocm_tiles()[kv_dtype.itemsize == 1]
+    elif device.type == "cuda" and (
+        _max_shared_memory(device.index) >= _LARGE_SMEM_BYTES
     ):
         fp8 = kv_dtype.itemsize == 1
         tile = _MLA_BLOCK_TILES_LARGE_SMEM[(max(32, rows_per_tile), fp8)]
+        small = _MLA_BLOCK_TILES_LARGE_SMEM[(32, fp8)]
+        # 96 rows (16 heads x 6, 32 x 3) fill three 32-row tiles but leave a
+        # quarter of two 64-row tiles empty: take the 32-row tile where two
+        # of its programs share an SM.
+        if rows % 64 and rows % 32 == 0 and small.programs_per_sm > 1:
+            tile = small
     else:
         tile = _MLA_BLOCK_TILE_SMALL_SMEM
     return replace(tile, block_m=min(tile.block_m, rows_per_tile))
@@ -902,28 +952,61 @@ def mla_block_decode_num_kv_splits(
     num_sms: int,
     max_kv_splits: int,
 ) -> int:
-    """KV splits for decode_attention_fwd_mla_block: the power of 2 (at most
-    max_kv_splits) with the shortest estimated run, waves of programs times
-    the work of one program."""
+    """The most KV splits decode_attention_fwd_mla_block may give one request
+    (the scratch is sized with it): enough for the longest request alone to
+    fill the GPU twice over, a power of 2, at most max_kv_splits. How many
+    each request takes is decided on the device, from the lengths."""
     rows = q.shape[0] // num_reqs * q.shape[1]
     tile = _mla_block_tile(rows, kv_buffer.dtype, q.device)
-    num_programs = num_reqs * triton.cdiv(rows, tile.block_m)
-    best_splits, best_cost = 1, float("inf")
-    splits = 1
-    while splits <= max_kv_splits and (
-        splits == 1 or triton.cdiv(max_seq_len, splits) >= _MLA_BLOCK_MIN_SPLIT_TOKENS
-    ):
-        waves = triton.cdiv(num_programs * splits, num_sms * tile.programs_per_sm)
-        work = triton.cdiv(max_seq_len, splits) + _MLA_BLOCK_SPLIT_OVERHEAD_TOKENS
-        if waves * work < best_cost:
-            best_splits, best_cost = splits, waves * work
-        splits *= 2
-    return best_splits
+    slots = num_sms * tile.programs_per_sm
+    wanted = min(
+        cdiv(2 * slots, cdiv(rows, tile.block_m)),
+        cdiv(max_seq_len, _MLA_BLOCK_MIN_SPLIT_TOKENS),
+    )
+    return max(1, min(next_power_of_2(wanted), max_kv_splits))
+
+
+@triton.jit
+def _mla_block_splits(
+    Seq_Lens,
+    num_reqs,
+    row_tiles,
+    slots,
+    NUM_KV_SPLITS: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
+    BLOCK_REQS: tl.constexpr,
+):
+    """(offsets, lengths, KV splits) over the launch's requests, the same in
+    both kernels. The KV is shared out for as many waves of `slots` programs
+    as hold twice the requests' unsplit row tiles (one wave for a few
+    requests), at least MIN_SPLIT_TOKENS a split and at most NUM_KV_SPLITS
+    splits a request. Rounding up adds at most one program per request and
+    row tile to the even share, so the busy programs number less than
+    2 x (row tiles) + slots, which the stage-1 grid holds."""
+    offs_r = tl.arange(0, BLOCK_REQS)
+    lens = tl.load(Seq_Lens + offs_r, mask=offs_r < num_reqs, other=0)
+    has_kv = lens > 0
+    tiles = tl.sum(has_kv.to(tl.int64), 0) * row_tiles
+    waves = tl.maximum(tl.cdiv(2 * tiles, slots), 1)
+    work = tl.sum(lens.to(tl.int64), 0) * row_tiles
+    # The share leaves room for the one extra program per row tile.
+    share = tl.maximum(tl.cdiv(work, waves * slots - tiles), MIN_SPLIT_TOKENS)
+    splits = tl.minimum(tl.cdiv(lens, share), NUM_KV_SPLITS)
+    return offs_r, lens, tl.where(has_kv, splits, 0).to(tl.int32)
+
+
+@triton.jit
+def _mla_block_split_len(seq_len, num_splits, SPLIT_ALIGN: tl.constexpr):
+    """KV tokens per split: the request's length evened out over its splits,
+    a multiple of SPLIT_ALIGN (whole KV tiles)."""
+    per_split = tl.cdiv(seq_len, tl.maximum(num_splits, 1))
+    return tl.cdiv(per_split, SPLIT_ALIGN) * SPLIT_ALIGN
 
 
 @triton.jit
 def _fwd_mla_block_kernel_stage1(
     Q,
+    Q_PE,
     KV_Buffer,
     sm_scale_log2,
     Block_Table,
@@ -931,9 +1014,13 @@ def _fwd_mla_block_kernel_stage1(
     Att_Out,
     kv_scale,
     query_len,
+    num_reqs,
+    slots,
     stride_block_table,
     stride_q_token,
     stride_q_head,
+    stride_qpe_token,
+    stride_qpe_head,
     stride_kv_page,
     stride_kv_token,
     stride_mid_req,
@@ -944,28 +1031,45 @@ def _fwd_mla_block_kernel_stage1(
     BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_DPE: tl.constexpr,
+    BLOCK_REQS: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     Lk: tl.constexpr,
     Lv: tl.constexpr,
     RELOAD_FP8_V: tl.constexpr,
 ):
+    # Program (row_tile, item) takes split `item` of the launch's splits,
+    # counted over the requests in order: the busy programs come first and
+    # the rest of the grid (sized on the host, e.g. at graph capture) returns.
     row_tile = tl.program_id(0)
-    split_kv_id = tl.program_id(1)
-    req = tl.program_id(2)
+    item = tl.program_id(1)
+    offs_r, lens, splits = _mla_block_splits(
+        Seq_Lens,
+        num_reqs,
+        tl.num_programs(0),
+        slots,
+        NUM_KV_SPLITS,
+        MIN_SPLIT_TOKENS,
+        BLOCK_REQS,
+    )
+    ends = tl.cumsum(splits, 0)
+    req = tl.sum((ends <= item).to(tl.int32), 0)
+    this_req = offs_r == req
+    seq_len = tl.sum(tl.where(this_req, lens, 0), 0)
+    num_splits = tl.sum(tl.where(this_req, splits, 0), 0)
+    split_kv_id = item - tl.sum(tl.where(this_req, ends, 0), 0) + num_splits
+    split_len = _mla_block_split_len(seq_len, num_splits, BLOCK_N)
+    split_kv_start = split_len * split_kv_id
+    split_kv_end = tl.minimum(split_kv_start + split_len, seq_len)
 
-    seq_len = tl.load(Seq_Lens + req)
-    kv_len_per_split = tl.cdiv(seq_len, NUM_KV_SPLITS)
-    split_kv_start = kv_len_per_split * split_kv_id
-    split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, seq_len)
-
-    if split_kv_end > split_kv_start:
+    if req < num_reqs and split_kv_end > split_kv_start:
         # Row m of the request is draft token m // NUM_HEADS, head m % NUM_HEADS.
         offs_m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < query_len * NUM_HEADS
-        offs_q = (req * query_len + offs_m // NUM_HEADS) * stride_q_token + (
-            offs_m % NUM_HEADS
-        ) * stride_q_head
+        token = req * query_len + offs_m // NUM_HEADS
+        head = offs_m % NUM_HEADS
+        offs_q = token * stride_q_token + head * stride_q_head
         offs_dv = tl.arange(0, BLOCK_DV)
         mask_dv = offs_dv < Lv
         q = tl.load(
@@ -976,8 +1080,9 @@ def _fwd_mla_block_kernel_stage1(
         if BLOCK_DPE > 0:
             offs_dpe = Lv + tl.arange(0, BLOCK_DPE)
             mask_dpe = offs_dpe < Lk
+            offs_qpe = token * stride_qpe_token + head * stride_qpe_head
             q_pe = tl.load(
-                Q + offs_q[:, None] + offs_dpe[None, :],
+                Q_PE + offs_qpe[:, None] + (offs_dpe - Lv)[None, :],
                 mask=mask_m[:, None] & mask_dpe[None, :],
                 other=0.0,
             )
@@ -1069,10 +1174,16 @@ def _fwd_mla_block_kernel_stage2(
     Lse,
     Seq_Lens,
     rows_per_req,
+    num_reqs,
+    row_tiles,
+    slots,
     stride_mid_row,
     stride_mid_split,
     stride_o_row,
     NUM_KV_SPLITS: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+    BLOCK_REQS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     Lv: tl.constexpr,
@@ -1083,14 +1194,25 @@ def _fwd_mla_block_kernel_stage2(
     # single request split hundreds of ways.
     row = tl.program_id(0)
     dv_tile = tl.program_id(1)
-    seq_len = tl.load(Seq_Lens + row // rows_per_req)
-    kv_len_per_split = tl.cdiv(seq_len, NUM_KV_SPLITS)
+    req = row // rows_per_req
+    offs_r, lens, splits = _mla_block_splits(
+        Seq_Lens,
+        num_reqs,
+        row_tiles,
+        slots,
+        NUM_KV_SPLITS,
+        MIN_SPLIT_TOKENS,
+        BLOCK_REQS,
+    )
+    seq_len = tl.load(Seq_Lens + req)
+    num_splits = tl.sum(tl.where(offs_r == req, splits, 0), 0)
+    split_len = _mla_block_split_len(seq_len, num_splits, SPLIT_ALIGN)
     mid = Mid_O + row.to(tl.int64) * stride_mid_row
 
     offs_s = tl.arange(0, BLOCK_SPLITS)
     # Stage 1 skipped (and did not write) the splits that start past the end;
     # so does every s >= NUM_KV_SPLITS, the padding of BLOCK_SPLITS.
-    written = offs_s * kv_len_per_split < seq_len
+    written = (offs_s * split_len < seq_len) & (offs_s < NUM_KV_SPLITS)
     split_lse = tl.load(
         mid + offs_s * stride_mid_split + Lv, mask=written, other=float("-inf")
     )
@@ -1114,7 +1236,7 @@ def _fwd_mla_block_kernel_stage2(
 
 
 def decode_attention_fwd_mla_block(
-    q: torch.Tensor,
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     kv_buffer: torch.Tensor,
     o: torch.Tensor,
     lse: torch.Tensor,
@@ -1124,6 +1246,7 @@ def decode_attention_fwd_mla_block(
     sm_scale: float,
     page_size: int,
     kv_scale: torch.Tensor,
+    num_sms: int,
 ) -> None:
     """MLA decode of a non-causal block of query_len tokens per request.
 
@@ -1132,34 +1255,49 @@ def decode_attention_fwd_mla_block(
     length), up to floating-point reordering, but reads the KV once per tile
     of a request's rows instead of once per row and per 16 heads.
 
-    q: [num_reqs * query_len, num_heads, Lk], a request's tokens adjacent.
+    q: [num_reqs * query_len, num_heads, Lk], a request's tokens adjacent, or
+        its two parts ([..., Lv] latent, [..., Lk - Lv] rope), as MLAAttention
+        hands them over (read in place: no concatenation).
     kv_buffer: the latent cache, [num_pages, page_size, 1, Lk]; the first Lv
         columns are the latent (K and V), the rest the rope part of K.
     o, lse: contiguous [num_reqs * query_len, num_heads(, Lv)] outputs.
     block_table, seq_lens: one row per request.
     attn_logits: contiguous fp32 scratch [num_reqs * query_len, num_heads,
-        num_kv_splits, Lv + 1]; see mla_block_decode_num_kv_splits.
+        num_kv_splits, Lv + 1]; num_kv_splits bounds the splits of a request
+        (see mla_block_decode_num_kv_splits).
     kv_scale: the scale of an fp8 cache (a 16-bit cache ignores it).
+    num_sms: the GPU's SMs (CUs on ROCm), which the splits are sized to fill.
     """
     num_reqs = seq_lens.shape[0]
-    num_tokens, num_heads, Lk = q.shape
     Lv = o.shape[-1]
+    q_nope, q_pe = q if isinstance(q, tuple) else (q[..., :Lv], q[..., Lv:])
+    num_tokens, num_heads, _ = q_nope.shape
+    Lk = Lv + q_pe.shape[-1]
     query_len = num_tokens // num_reqs
     rows = query_len * num_heads
     assert num_tokens == num_reqs * query_len
 
-    tile = _mla_block_tile(rows, kv_buffer.dtype, q.device)
+    tile = _mla_block_tile(rows, kv_buffer.dtype, q_nope.device)
     num_row_tiles = triton.cdiv(rows, tile.block_m)
     num_kv_splits = attn_logits.shape[2]
+    # Programs of this tile that run at once on the GPU.
+    slots = num_sms * tile.programs_per_sm
     # Per request, its rows are contiguous in the outputs and the scratch.
     mid = attn_logits.view(num_reqs, rows, *attn_logits.shape[2:])
     o_rows = o.view(num_reqs, rows, Lv)
+    # Both kernels share the KV out alike (_mla_block_splits).
+    splits = dict(
+        NUM_KV_SPLITS=num_kv_splits,
+        MIN_SPLIT_TOKENS=_MLA_BLOCK_MIN_SPLIT_TOKENS,
+        BLOCK_REQS=triton.next_power_of_2(num_reqs),
+    )
 
-    extra_kargs = {}
-    if is_hip_:
-        extra_kargs = {"waves_per_eu": 1, "matrix_instr_nonkdim": 16, "kpack": 2}
-    _fwd_mla_block_kernel_stage1[(num_row_tiles, num_kv_splits, num_reqs)](
-        q,
+    # Programs per row tile: room for the most busy programs that
+    # _mla_block_splits gives, from the batch size alone (graph-safe).
+    grid_items = 2 * num_reqs + triton.cdiv(slots, num_row_tiles)
+    _fwd_mla_block_kernel_stage1[(num_row_tiles, grid_items)](
+        q_nope,
+        q_pe,
         kv_buffer,
         sm_scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         block_table,
@@ -1167,9 +1305,13 @@ def decode_attention_fwd_mla_block(
         mid,
         kv_scale,
         query_len,
+        num_reqs,
+        slots,
         block_table.stride(0),
-        q.stride(0),
-        q.stride(1),
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
         _page_stride(kv_buffer, page_size),
         kv_buffer.stride(-3),
         mid.stride(0),
@@ -1180,31 +1322,38 @@ def decode_attention_fwd_mla_block(
         BLOCK_N=tile.block_n,
         BLOCK_DV=triton.next_power_of_2(Lv),
         BLOCK_DPE=triton.next_power_of_2(Lk - Lv) if Lk > Lv else 0,
-        NUM_KV_SPLITS=num_kv_splits,
         PAGE_SIZE=page_size,
         Lk=Lk,
         Lv=Lv,
         RELOAD_FP8_V=tile.reload_fp8_v,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        **extra_kargs,
+        **splits,
+        **_mla_block_launch_options(tile),
     )
-    # Stage 2 merges each row's splits, in tiles of at most 16K partial outputs:
-    # many splits (a few requests) take narrow column tiles.
+    # Stage 2 merges each row's splits, in tiles of at most
+    # _MLA_BLOCK_MERGE_TILE partial outputs: many splits (a few requests)
+    # take narrow column tiles.
     block_splits = triton.next_power_of_2(num_kv_splits)
-    block_dv = min(triton.next_power_of_2(Lv), max(16, 16384 // block_splits))
+    block_dv = min(
+        triton.next_power_of_2(Lv), max(16, _MLA_BLOCK_MERGE_TILE // block_splits)
+    )
     _fwd_mla_block_kernel_stage2[(num_reqs * rows, triton.cdiv(Lv, block_dv))](
         mid,
         o_rows,
         lse,
         seq_lens,
         rows,
+        num_reqs,
+        num_row_tiles,
+        slots,
         mid.stride(1),
         mid.stride(2),
         o_rows.stride(1),
-        NUM_KV_SPLITS=num_kv_splits,
+        SPLIT_ALIGN=tile.block_n,
         BLOCK_SPLITS=block_splits,
         BLOCK_DV=block_dv,
         Lv=Lv,
         num_warps=8 if block_splits * block_dv >= 8192 else 4,
+        **splits,
     )

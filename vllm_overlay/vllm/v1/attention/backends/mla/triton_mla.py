@@ -267,16 +267,15 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
         assert kv_c_and_k_pe_cache.numel() > 0
         assert attn_metadata.decode is not None
 
-        if type(q) is tuple:
-            q = torch.cat(q, dim=-1)
-
-        assert isinstance(q, torch.Tensor)
-        B = q.shape[0]
-        q_num_heads = q.shape[1]
-        o = torch.zeros(
-            B, q_num_heads, self.kv_lora_rank, dtype=q.dtype, device=q.device
-        )
-        lse = torch.zeros(B, q_num_heads, dtype=q.dtype, device=q.device)
+        # MLAAttention may hand over [ql_nope | q_pe] as two tensors: the block
+        # kernel reads them in place, the flattened path concatenates them.
+        q_parts = q
+        q_nope = q[0] if isinstance(q, tuple) else q
+        B = q_nope.shape[0]
+        q_num_heads = q_nope.shape[1]
+        dtype, device = q_nope.dtype, q_nope.device
+        o = torch.zeros(B, q_num_heads, self.kv_lora_rank, dtype=dtype, device=device)
+        lse = torch.zeros(B, q_num_heads, dtype=dtype, device=device)
 
         block_table = attn_metadata.decode.block_table
         seq_lens = attn_metadata.decode.seq_lens
@@ -302,7 +301,7 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
             num_kv_splits = 1
         elif block_decode:
             num_kv_splits = mla_block_decode_num_kv_splits(
-                q,
+                q_nope,
                 kv_c_and_k_pe_cache,
                 num_decodes,
                 attn_metadata.max_seq_len,
@@ -326,9 +325,7 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 (logits_shape, torch.float32),
             )
         else:
-            attn_logits = torch.empty(
-                logits_shape, dtype=torch.float32, device=q.device
-            )
+            attn_logits = torch.empty(logits_shape, dtype=torch.float32, device=device)
 
         # Add a head dim of 1
         kv_c_and_k_pe_cache = kv_c_and_k_pe_cache.unsqueeze(2)
@@ -337,7 +334,7 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
 
         if block_decode:
             decode_attention_fwd_mla_block(
-                q,
+                q_parts,
                 kv_c_and_k_pe_cache,
                 o,
                 lse,
@@ -347,8 +344,11 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 self.scale,
                 PAGE_SIZE,
                 layer._k_scale,
+                self._sm_count,
             )
             return o, lse
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
         if query_len > 1:
             block_table = block_table.repeat_interleave(query_len, dim=0)
             if attn_metadata.causal:

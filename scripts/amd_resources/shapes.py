@@ -1,0 +1,158 @@
+"""The launches the stack's kernel wrappers make at the drafter's production shapes.
+
+Each wrapper is the tree's own function, called with meta tensors (shapes,
+dtypes and storage sizes, no data) as vLLM's callers pass them on ROCm; what it
+launches is recorded (kernel_tree.record_launches), never run.
+
+- Patch 7, `decode_attention_fwd_mla_block` (stage 1 and its stage 2), and the
+  flat path it replaces, `decode_attention_fwd(is_mla=True)` on the block
+  flattened to one row per token (0.33.0's grouped kernel and stage 2: what
+  ROCm runs today), called as `TritonMLAImpl.forward_mqa` calls them.
+- Patch 6, `rejection_sample`, as the GPU model runner's rejection sampler
+  calls it.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+import triton
+
+from scripts.amd_resources.kernel_tree import Launch, record_launches
+from scripts.amd_resources.targets import Arch
+
+DECODE_ATTENTION = "vllm.v1.attention.ops.triton_decode_attention"
+TRITON_MLA = "vllm/v1/attention/backends/mla/triton_mla.py"
+REJECTION_SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"
+
+# K3 (per tensor-parallel rank) and its DSpark drafter.
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+HEADS_PER_RANK = (8, 16, 32, 64)
+QUERY_LENS = tuple(range(2, 9))  # draft block of query_len tokens
+PAGE_SIZES = (16, 64)
+# Graphs are captured at max_model_len with a padded batch, and the split
+# count chosen then is replayed (issue 18, section 2).
+CAPTURE_REQUESTS = 16
+MAX_MODEL_LEN = 131072
+# Triton's AMD backend turns loads into buffer loads only for a tensor whose
+# storage is under 2 GiB. vLLM's per-layer KV cache is either, by GPU memory
+# and model: both are compiled.
+KV_STORAGE_BYTES = {"KV<2G": 1 << 30, "KV>2G": 4 << 30}
+VOCAB_SIZE = 163840
+NUM_SPECULATIVE_STEPS = 6
+SAMPLER_REQUESTS = 16
+
+
+def _meta(*size: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device="meta")
+
+
+def kv_dtypes(arch: Arch) -> dict[str, torch.dtype]:
+    return {"bf16": torch.bfloat16, "fp8": getattr(torch, arch.fp8_dtype)}
+
+
+def attention_shapes(arch: Arch) -> Iterator[dict]:
+    for storage, kv, page, heads, query_len in itertools.product(
+            KV_STORAGE_BYTES, kv_dtypes(arch), PAGE_SIZES, HEADS_PER_RANK, QUERY_LENS):
+        yield {"kv": kv, "page": page, "heads": heads, "query_len": query_len,
+               "kv_storage": storage}
+
+
+def flat_split_count(tree: Path) -> Callable[[int, int], int]:
+    """triton_mla.py's _compute_num_kv_splits, read from the tree (the module
+    itself needs all of vLLM): the function and the constants it names."""
+    path = tree / TRITON_MLA
+    module = ast.parse(path.read_text(), str(path))
+    wanted = {"_compute_num_kv_splits"}
+    body = []
+    for node in module.body:
+        if isinstance(node, ast.FunctionDef) and node.name in wanted:
+            wanted |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            body.append(node)
+    constants = [node for node in module.body if isinstance(node, ast.Assign)
+                 and all(isinstance(t, ast.Name) and t.id in wanted for t in node.targets)]
+    if not body:
+        raise LookupError(f"{path}: no _compute_num_kv_splits (forward_mqa's split count)")
+    namespace = {"triton": triton}
+    exec(compile(ast.Module(constants + body, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["_compute_num_kv_splits"]
+
+
+def attention_launches(load, tree: Path, arch: Arch, shapes: Iterable[dict] | None = None,
+                       paths: tuple[str, ...] = ("block", "flat")) -> list[Launch]:
+    """Block path and flat path, as forward_mqa launches them, for every shape
+    (default: every production shape)."""
+    ops = load(DECODE_ATTENTION)
+    flat_splits = flat_split_count(tree)(MAX_MODEL_LEN, arch.compute_units)
+    launches = []
+    for shape in attention_shapes(arch) if shapes is None else shapes:
+        for path in paths:
+            with record_launches() as recorded:
+                _forward_mqa(ops, path, shape, flat_splits, arch)
+            for launch in recorded:
+                launch.shape = {**shape, "path": path}
+            launches += recorded
+    return launches
+
+
+def _forward_mqa(ops, path: str, shape: dict, flat_splits: int, arch: Arch) -> None:
+    """The attention call of TritonMLAImpl.forward_mqa (backends/mla/triton_mla.py)
+    on one of its two paths, for a captured batch at `shape`."""
+    reqs, query_len, heads, page = (CAPTURE_REQUESTS, shape["query_len"], shape["heads"],
+                                    shape["page"])
+    rows, width = reqs * query_len, KV_LORA_RANK + ROPE_DIM
+    dtype = kv_dtypes(arch)[shape["kv"]]
+    num_pages = KV_STORAGE_BYTES[shape["kv_storage"]] // (page * width * dtype.itemsize)
+    q = _meta(rows, heads, width, dtype=torch.bfloat16)
+    cache = _meta(num_pages, page, width, dtype=dtype)
+    kv = cache.unsqueeze(2)  # forward_mqa adds the head dim of 1 after the split count
+    o = _meta(rows, heads, KV_LORA_RANK, dtype=torch.bfloat16)
+    lse = _meta(rows, heads, dtype=torch.bfloat16)
+    block_table = _meta(reqs, MAX_MODEL_LEN // page, dtype=torch.int32)
+    seq_lens = _meta(reqs, dtype=torch.int32)
+    kv_scale = _meta((), dtype=torch.float32)
+    sm_scale = width ** -0.5  # a float argument: the JIT never specializes on it
+    if path == "block":
+        splits = ops.mla_block_decode_num_kv_splits(q, cache, reqs, MAX_MODEL_LEN,
+                                                    arch.compute_units, flat_splits)
+        logits = _meta(rows, heads, splits, KV_LORA_RANK + 1, dtype=torch.float32)
+        ops.decode_attention_fwd_mla_block(q, kv, o, lse, block_table, seq_lens, logits,
+                                           sm_scale, page, kv_scale, arch.compute_units)
+        return
+    logits = _meta(rows, heads, flat_splits, KV_LORA_RANK + 1, dtype=torch.float32)
+    ops.decode_attention_fwd(
+        q, kv, kv[..., :KV_LORA_RANK], o, lse,
+        block_table.repeat_interleave(query_len, dim=0),
+        seq_lens.repeat_interleave(query_len), logits, flat_splits, sm_scale, page,
+        k_scale=kv_scale, v_scale=kv_scale, is_mla=True)
+
+
+def sampler_launches(load) -> list[Launch]:
+    """rejection_sample, standard and block verification, with draft logits
+    (probabilistic drafts, bf16 as the drafter caches them) and one-hot drafts."""
+    sampler = load(REJECTION_SAMPLER)
+    reqs, steps = SAMPLER_REQUESTS, NUM_SPECULATIVE_STEPS
+    logits_rows = reqs * (steps + 1)
+    launches = []
+    for method, drafts in itertools.product(("standard", "block"), ("logits", "one-hot")):
+        draft_logits = None
+        if drafts == "logits":
+            draft_logits = _meta(reqs, steps, VOCAB_SIZE, dtype=torch.bfloat16)
+        with record_launches() as recorded:
+            sampler.rejection_sample(
+                _meta(logits_rows, VOCAB_SIZE, dtype=torch.float32), draft_logits,
+                _meta(logits_rows, dtype=torch.int32),
+                _meta(reqs + 1, dtype=torch.int32), _meta(logits_rows, dtype=torch.int64),
+                _meta(reqs, dtype=torch.int32), _meta(logits_rows, dtype=torch.int32),
+                _meta(logits_rows, dtype=torch.int32), _meta(reqs, dtype=torch.float32),
+                _meta(reqs, dtype=torch.int64), steps,
+                use_block_verification=method == "block")
+        for launch in recorded:
+            launch.shape = {"path": "sampler", "method": method, "drafts": drafts}
+        launches += recorded
+    return launches
