@@ -55,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
                    help="evaluate only the first N gsm8k problems (default: all 1319)")
     p.add_argument("--kernel-bench", default=" ".join(defaults.kernel_bench),
                    help="command of the draft-block attention benchmark, run in B")
+    p.add_argument("--kernel-sweep", default=" ".join(defaults.kernel_sweep),
+                   help="command of its tile sweep, run in B after it ('' for none)")
     p.add_argument("--server-ready-timeout", type=float,
                    default=defaults.server_ready_timeout)
     return p
@@ -130,6 +132,7 @@ def config_from(layout: Layout, args: argparse.Namespace) -> Config:
         concurrencies=_ints(args.concurrencies, "--concurrencies"),
         input_len=args.input_len, dataset_args=tuple(args.dataset_args.split()),
         gsm8k_limit=args.gsm8k_limit, kernel_bench=tuple(args.kernel_bench.split()),
+        kernel_sweep=tuple(args.kernel_sweep.split()),
         server_ready_timeout=args.server_ready_timeout)
 
 

@@ -67,9 +67,15 @@ class Config:
     lm_eval_requirement: str = "lm_eval[api]==0.4.13"
     # Two standard errors of the difference: the "noise" of the gate.
     noise_sigmas: float = 2.0
-    # The draft-block attention benchmark of the Triton MLA patch (optional).
+    # The draft-block attention benchmark of the Triton MLA patch (optional),
+    # then its sweep of the ROCm candidate tiles. The GPU-bench package is built
+    # in the results folder (/runbook in the containers): the project is
+    # mounted read-only.
     kernel_bench: tuple[str, ...] = ("python3", "-m", "scripts", "gpubench",
-                                     "--case", "mla_decode")
+                                     "--case", "mla_decode",
+                                     "--package", "/runbook/kernels/gpubench")
+    kernel_sweep: tuple[str, ...] = ("python3", "/runbook/kernels/gpubench/cases/mla_decode.py",
+                                     "--sweep")
     # Timeouts, seconds. Loading Kimi-K3 on 8 GPUs takes a while.
     server_ready_timeout: float = 3600
     bench_timeout: float = 3600

@@ -219,5 +219,20 @@ def kernel_table(text: str) -> list[dict]:
     return []
 
 
+_BEST_TILE = re.compile(r"^best tile (?P<arch>\S+) (?P<kv>\S+): (?P<tile>_MLABlockTile\(.*\)) "
+                        r"(?P<ms>[0-9.]+) ms .*shipped tile (?P<shipped_ms>[0-9.]+) ms")
+
+
+def best_tiles(text: str) -> list[dict]:
+    """The sweep's `best tile <arch> <kv>: _MLABlockTile(...) <ms> ms (...; shipped
+    tile <ms> ms)` lines, one per KV dtype."""
+    found = []
+    for line in text.splitlines():
+        if m := _BEST_TILE.match(line.strip()):
+            found.append({**m.groupdict(), "ms": float(m["ms"]),
+                          "shipped_ms": float(m["shipped_ms"])})
+    return found
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-").lower()

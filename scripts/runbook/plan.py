@@ -231,13 +231,14 @@ def report(config: Config) -> list[Session]:
 
 
 def kernels(config: Config) -> list[Session]:
-    argv = [*config.kernel_bench]
-    command = Command("draft-block attention kernel benchmark in B",
-                      one_shot(config, config.candidate_image, argv,
-                               env={"PYTHONPATH": STACK_IN_CONTAINER},
-                               workdir=STACK_IN_CONTAINER),
-                      config.bench_timeout, "kernels", check=False)
-    return [Session("4b. kernel benchmark (B)", [command],
+    titled = [("draft-block attention kernel benchmark in B", config.kernel_bench),
+              ("draft-block attention tile sweep in B", config.kernel_sweep)]
+    commands = [Command(title, one_shot(config, config.candidate_image, list(argv),
+                                        env={"PYTHONPATH": STACK_IN_CONTAINER},
+                                        workdir=STACK_IN_CONTAINER),
+                        config.bench_timeout, "kernels", check=False)
+                for title, argv in titled if argv]
+    return [Session("4b. kernel benchmark (B)", commands,
                     note="optional: skipped when the project has no such benchmark")]
 
 

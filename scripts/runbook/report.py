@@ -295,10 +295,26 @@ def _kernels_section(out: Path) -> list[str]:
         return lines + [f"Skipped: {k['reason']}.", ""]
     rows = k["rows"]
     if not rows:
-        return lines + ["No table in its output (`kernels/output.txt`).", ""]
-    columns = list(rows[0])
-    lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
+        lines += ["No table in its output (`kernels/output.txt`).", ""]
+    else:
+        columns = list(rows[0])
+        lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |"
+                  for r in rows] + [""]
+    return lines + _best_tiles_lines(k.get("best_tiles", []))
+
+
+def _best_tiles_lines(best: list[dict]) -> list[str]:
+    """The tile sweep's winners against the shipped tiles (`kernels/sweep.txt`)."""
+    if not best:
+        return []
+    lines = ["Tile sweep (`kernels/sweep.txt`, geometric mean over its shapes): if a best "
+             "tile beats the shipped one by more than the noise, change "
+             "`_MLA_BLOCK_TILES_ROCM[<arch>]` in patch 7 and run `make test`.", "",
+             "| arch | KV | best tile | ms | shipped tile ms | shipped / best |",
+             "| --- | --- | --- | ---: | ---: | ---: |"]
+    lines += [f"| {t['arch']} | {t['kv']} | `{t['tile']}` | {t['ms']:.4f} | "
+              f"{t['shipped_ms']:.4f} | {t['shipped_ms'] / t['ms']:.2f}x |" for t in best]
     return lines + [""]
 
 

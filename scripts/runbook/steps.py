@@ -330,7 +330,7 @@ def kernels(rb: Runbook) -> None:
         rb.say("4b. kernel benchmark (B)\n  skip: kernels/summary.json exists")
         return
     (session,) = plan.kernels(rb.config)
-    (command,) = session.commands
+    command, *sweep = session.commands
     rb.say(session.title)
     result = rb.run(command)
     assert result is not None
@@ -345,8 +345,18 @@ def kernels(rb: Runbook) -> None:
                         f"logs/{parse.slug(command.title)}.log")
     rb.path("kernels").mkdir(parents=True, exist_ok=True)
     rb.path("kernels/output.txt").write_text(result.output)
+    best_tiles = []
+    for command_ in sweep:  # the tile sweep, if configured
+        swept = rb.run(command_)
+        assert swept is not None
+        if swept.returncode != 0:
+            raise StepError(f"{command_.title}: {_exit(swept, command_.timeout)}; log: "
+                            f"logs/{parse.slug(command_.title)}.log")
+        rb.path("kernels/sweep.txt").write_text(swept.output)
+        best_tiles = parse.best_tiles(swept.output)
     rb.write_json("kernels/summary.json", {"available": True, "command": command.argv,
-                                           "rows": parse.kernel_table(result.output)})
+                                           "rows": parse.kernel_table(result.output),
+                                           "best_tiles": best_tiles})
 
 
 def report(rb: Runbook) -> None:

@@ -191,6 +191,12 @@ class RecordingExecutor:
         if self.scenario.kernel_bench_absent:
             return 2, ("usage: python3 -m scripts [-h] {fetch,apply,...}\npython3 -m scripts: "
                        "error: argument command: invalid choice: 'gpubench'\n")
+        if "--sweep" in argv:
+            return 0, ("sweep gfx942 bf16 _MLABlockTile(64, 16, 8, 1) ... 0.0412 ms\n"
+                       "best tile gfx942 bf16: _MLABlockTile(64, 16, 8, 1) 0.0412 ms "
+                       "(geometric mean; shipped tile 0.0412 ms)\n"
+                       "best tile gfx942 fp8: _MLABlockTile(32, 16, 8, 1, waves_per_eu=2) "
+                       "0.0371 ms (geometric mean; shipped tile 0.0398 ms)\n")
         return 0, ("# draft-block attention (TRITON_MLA), bf16, 16 heads, kv_lora_rank 512\n"
                    "case,batch,draft_tokens,context,impl,us\n"
                    "mla_decode,1,6,4096,grouped,41.2\nmla_decode,1,6,4096,per_layer,57.9\n"

@@ -284,6 +284,20 @@ def test_a_test_image_runs_the_device_tests_and_is_checked(config):
     assert sorted(versions) == ["A", "B", "tests"]
 
 
+def test_kernel_step_reports_the_best_tiles(config):
+    code, executor, _ = run(config, Scenario())
+    assert code == 0
+    (sweep,) = commands_with(executor, "/runbook/kernels/gpubench/cases/mla_decode.py", "--sweep")
+    assert "--volume=" + str(config.out_dir) + ":/runbook" in sweep
+    assert commands_with(executor, "gpubench", "--package", "/runbook/kernels/gpubench")
+    summary = json.loads((config.out_dir / "kernels/summary.json").read_text())
+    assert [(t["arch"], t["kv"], t["shipped_ms"]) for t in summary["best_tiles"]] == [
+        ("gfx942", "bf16", 0.0412), ("gfx942", "fp8", 0.0398)]
+    report = (config.out_dir / "report/summary.md").read_text()
+    assert "| gfx942 | fp8 | `_MLABlockTile(32, 16, 8, 1, waves_per_eu=2)` | 0.0371 | " \
+           "0.0398 | 1.07x |" in report
+
+
 def test_missing_kernel_benchmark_is_skipped(config):
     code, _, _ = run(config, Scenario(kernel_bench_absent=True))
     assert code == 0
