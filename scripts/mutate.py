@@ -105,7 +105,7 @@ def mutate(layout: Layout, names: list[str], project: Path | None = None,
     baseline = _one(layout, source, folder, None, layout.build_dir / RESULTS, fresh)
     if baseline["exit"] != 0:
         raise StackError(f"the stack as it is fails make test in {rel(folder, layout)}/baseline "
-                         "(see its make-test.log): fix that before asking what catches a defect")
+                         "(see its build/make-test.log): fix that before asking what catches a defect")
     results = [_one(layout, source, folder, m, folder / "baseline" / "build" / RESULTS, fresh)
                for m in chosen]
     _write_report(folder, source, baseline, results)
@@ -125,7 +125,11 @@ def _one(layout: Layout, source: Path, folder: Path, mutation: Mutation | None,
     start = time.monotonic()
     env = {**os.environ, "K3_PROJECT_ROOT": str(scratch), "PYTHONPATH": str(scratch),
            "K3_CACHE_DIR": str(layout.cache_dir)}
-    with open(scratch / "make-test.log", "w") as log:
+    # In the scratch project's build/, like its results: a file at its top would be
+    # one of the project's files, an input of every key.
+    log_path = scratch / "build" / "make-test.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
         code = subprocess.run([sys.executable, "-m", "scripts", "test",
                                *(["--fresh"] if fresh else [])], cwd=scratch, env=env,
                               stdout=log, stderr=subprocess.STDOUT).returncode
@@ -133,7 +137,7 @@ def _one(layout: Layout, source: Path, folder: Path, mutation: Mutation | None,
     caught = _failures(scratch)
     say(f"  make test in {rel(scratch, layout)} exited {code} after {seconds:.0f} s; "
         + (f"failed: {', '.join(sorted(caught))}" if caught else "nothing failed"))
-    _remove_scratch(scratch, keep=(scratch / "make-test.log", scratch / "build" / RESULTS))
+    _remove_scratch(scratch, keep=(log_path, scratch / "build" / RESULTS))
     return {"name": name, "defect": mutation.defect if mutation else "",
             "control": mutation.control if mutation else True, "patches": changed,
             "exit": code, "seconds": round(seconds), "caught": caught}
@@ -207,7 +211,7 @@ def _failures(scratch: Path) -> dict[str, list[str]]:
     try:
         summary = json.loads((results / "summary.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
-        return {"make test": ["no summary.json: it did not finish (see make-test.log)"]}
+        return {"make test": ["no summary.json: it did not finish (see build/make-test.log)"]}
     caught: dict[str, list[str]] = {}
     for row in summary["rows"]:
         if not row["failed"]:

@@ -52,8 +52,9 @@ RESULTS = "test-results"
 # A row that does read one of them lists it in Row.inputs.
 NOT_PROJECT_INPUTS = frozenset({"patches", "vllm_overlay", "docs", "README.md"})
 # Never inputs: outputs, caches and the environments (keyed by their stamps).
+# (.k3-stack.running: the project lock's note, git-ignored in a checkout.)
 _NEVER = frozenset({"build", ".cache", ".venv", ".venv-lint", ".git", "__pycache__",
-                    ".pytest_cache", ".mypy_cache", ".ruff_cache"})
+                    ".pytest_cache", ".mypy_cache", ".ruff_cache", ".k3-stack.running"})
 # Environment variables that can change what a test does. (Not all of PYTEST_*:
 # pytest sets PYTEST_CURRENT_TEST itself.)
 _STEERING_PREFIXES = ("VLLM_", "TORCH", "PYTORCH_", "CUDA_", "HIP_", "HSA_", "ROCR_",

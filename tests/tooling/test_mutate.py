@@ -90,7 +90,7 @@ def test_the_report_names_what_catches_each_defect_and_checks_the_control(
     out = capsys.readouterr().out
     assert "small-block              caught" in out and "rename                   ok:" in out
     # What each scratch project ran is kept; the rest of it is not.
-    assert (stand_in.root / "build/mutate/small-block/make-test.log").exists()
+    assert (stand_in.root / "build/mutate/small-block/build/make-test.log").exists()
     assert not (stand_in.root / "build/mutate/small-block/build/vllm").exists()
 
 
