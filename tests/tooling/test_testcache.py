@@ -406,9 +406,13 @@ def test_make_test_passes_fresh_and_only_as_given(tmp_path, variables, args):
     printer = tmp_path / "print-args"
     printer.write_text('#!/bin/sh\nshift 2\nfor a in "$@"; do printf "%s\\n" "[$a]"; done\n')
     printer.chmod(0o755)
+    # Not the variables of a make this runs under (`make test FRESH=1` passes
+    # FRESH on in MAKEFLAGS and the environment).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "FRESH", "ONLY")}
     result = subprocess.run(["make", "--no-print-directory", "-C", str(REPO), "-o", "build",
                              f"PYTHON={printer}", "test", *variables],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-len(args) - 1:] == ["[test]", *[f"[{a}]" for a in args]]
 
