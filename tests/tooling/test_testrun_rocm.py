@@ -14,6 +14,7 @@ ROCM_LIST = """\
 
 --replace tests/b.py::test_x[True] tests/b.py::test_x[False]  # platform-dependent id
 --deselect tests/other/c.py::test_y  # another file's test
+--deselect tests/gpu_only.py  # every test of it needs a GPU
 """
 
 
@@ -32,6 +33,12 @@ def test_rocm_rows_load_the_plugin_and_apply_the_list(tmp_path):
                     "--deselect", "tests/a.py::test_gpu["]
     folder = testrun.rocm_args(["tests/other"], deselects, renamed)
     assert folder[-2:] == ["--deselect", "tests/other/c.py::test_y"]
+
+
+def test_a_file_deselected_whole_is_not_run(tmp_path):
+    deselects, _ = testrun.rocm_list(_layout(tmp_path, ROCM_LIST))
+    files = ["tests/a.py", "tests/gpu_only.py", "tests/gpu_only.py.bak"]
+    assert testrun.rocm_files(files, deselects) == ["tests/a.py", "tests/gpu_only.py.bak"]
 
 
 @pytest.mark.parametrize(
