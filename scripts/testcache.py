@@ -61,6 +61,10 @@ _STEERING_PREFIXES = ("VLLM_", "TORCH", "PYTORCH_", "CUDA_", "HIP_", "HSA_", "RO
                       "ROCM_", "TRITON_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_")
 _STEERING_NAMES = frozenset({"PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTHONHASHSEED",
                              "PYTHONWARNINGS", "PYTHONOPTIMIZE"})
+# The Makefile's own (`make rebase VLLM_VERSION=...`), exported, empty, to every
+# recipe: vLLM reads no such variable, and `make test` and `python3 -m scripts
+# test` (as `mutate` runs it) must share their keys.
+_TOOLING_NAMES = frozenset({"VLLM_VERSION"})
 
 
 def now() -> str:
@@ -167,7 +171,8 @@ class KeyContext:
             venvs[env.name] = {name: _read_or_none(folder / name)
                                for name in ("pyvenv.cfg", "k3-stack-build.json")}
         steering = {k: v for k, v in sorted(os.environ.items())
-                    if k.startswith(_STEERING_PREFIXES) or k in _STEERING_NAMES}
+                    if (k.startswith(_STEERING_PREFIXES) or k in _STEERING_NAMES)
+                    and k not in _TOOLING_NAMES}
         files = file_digests(layout.root)
         return cls({
             "format": FORMAT,

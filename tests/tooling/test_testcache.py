@@ -364,6 +364,15 @@ def test_a_new_module_a_test_looked_for_reruns_it(suites):
     assert _ran(suites) == {("lint", LINT), ("regression", BAR), ("regression (ROCm)", BAR)}
 
 
+def test_vllm_variables_are_keys_but_the_makefiles_are_not(suites, monkeypatch):
+    monkeypatch.setenv("VLLM_VERSION", "")  # what make exports to `make test`
+    assert _test(suites) == 0
+    assert _ran(suites) == set()
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    assert _test(suites) == 0
+    assert _ran(suites)
+
+
 @pytest.mark.parametrize("how", ["argument", "environment", "command-line"])
 def test_fresh_runs_every_command(suites, monkeypatch, how):
     if how == "argument":
