@@ -11,7 +11,11 @@ For each, one at a time, a scratch copy of the project (build/mutate/<name>/:
 its files, its venvs linked, a clone of build/vllm) gets the edit in the
 patch that brings the code and in every later one, as a maintainer's change
 to that patch would; its `make test` starts from the green results of this
-project, as after a one-patch change. The report names the rows and tests
+project, as after a one-patch change. (The baseline's full-stack rows run once
+more: its clone of build/vllm links the editable install's build outputs,
+vllm/third_party/*, where build/vllm holds the folders themselves, and the
+tests look at them. The mutations start from the baseline's results.) The
+report names the rows and tests
 that failed (the defect is caught) and the wall time of each run, and ends
 non-zero if a defect went uncaught or the control failed anything.
 `--project DIR` runs another checkout's `make test` (an older version of the
