@@ -82,16 +82,21 @@ def test_summary_ends_with_the_closing_line_ci_reads(capsys, failed, code):
     assert last == f"5 passed, {failed} failed, 1 skipped"
 
 
+def _layout_with_this_python(root: Path) -> Layout:
+    """A project whose .venv python is the interpreter running these tests, which
+    has pytest (a symlink to a venv's python would lose the venv)."""
+    layout = Layout(root)
+    venv_python = layout.venv / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    venv_python.chmod(0o755)
+    return layout
+
+
 def test_pytest_without_any_test_counts_as_a_failure(tmp_path):
     """pytest exits 5 when it collects nothing: a suite that ran no test failed."""
     (tmp_path / "empty").mkdir()
-    layout = Layout(tmp_path)
-    venv_python = layout.venv / "bin" / "python"
-    venv_python.parent.mkdir(parents=True)
-    # The interpreter running these tests has pytest (a symlink to a venv's
-    # python would lose the venv).
-    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    venv_python.chmod(0o755)
+    layout = _layout_with_this_python(tmp_path)
     part = testrun._pytest(layout, ["empty"], tmp_path, [tmp_path], tmp_path / "empty.log",
                            None, None)
     assert part.failed == 1 and part.note == "pytest exited 5"
@@ -103,11 +108,7 @@ def test_a_file_that_skips_as_a_whole_is_no_failure(tmp_path):
     that file ran, and skipped, as it should."""
     (tmp_path / "test_gpu.py").write_text(
         "import pytest\n\npytest.skip('needs a GPU', allow_module_level=True)\n")
-    layout = Layout(tmp_path)
-    venv_python = layout.venv / "bin" / "python"
-    venv_python.parent.mkdir(parents=True)
-    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    venv_python.chmod(0o755)
+    layout = _layout_with_this_python(tmp_path)
     part = testrun._pytest(layout, ["test_gpu.py"], tmp_path, [tmp_path], tmp_path / "gpu.log",
                            None, None)
     assert (part.failed, part.skipped, part.note) == (0, 1, "")
