@@ -21,6 +21,10 @@ recorded, so it always runs again. Any doubt is a new key: a cache miss
 costs minutes, a stale green would hide a failure. A command that runs
 again says which of its key's inputs changed since its last green run.
 
+A unit also keeps which of the tree's functions each of its tests ran
+(scripts/testblocks.py): when only function bodies changed, it runs again
+only the tests that ran one of them, and carries the others' results over.
+
 build/test-results/summary.json describes the latest run (rows, counts,
 commands, what was reused, wall time): `make bench` prints it and `make
 export` quotes it in the PR descriptions. runs.jsonl keeps one line per run;
@@ -291,6 +295,25 @@ class ResultStore:
         index = _read_json(self.dir / "reads" / f"{identity}.json") or {"reads": []}
         ids = [reads.id] + [i for i in index["reads"] if i != reads.id]
         _write_json(self.dir / "reads" / f"{identity}.json", {"reads": ids[:keep]})
+
+    # Per-test records of units (reads/k3_pertest.py), each once, by id.
+
+    def add_coverage(self, coverage: dict) -> str:
+        data = json.dumps(coverage, sort_keys=True).encode()
+        coverage_id = hashlib.sha256(data).hexdigest()
+        blob = self.dir / "coverage" / f"{coverage_id}.json.gz"
+        if not blob.exists():
+            _write_bytes(blob, gzip.compress(data, mtime=0))
+        return coverage_id
+
+    def coverage(self, coverage_id: str | None) -> dict | None:
+        if not coverage_id:
+            return None
+        try:
+            return json.loads(gzip.decompress(
+                (self.dir / "coverage" / f"{coverage_id}.json.gz").read_bytes()))
+        except (FileNotFoundError, OSError, ValueError):
+            return None
 
     # The project's files per digest, to say which changed.
 

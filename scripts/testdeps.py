@@ -40,15 +40,23 @@ from scripts.gitrepo import git
 # PYTHONPATH loads the tracker and shadows nothing else.
 TRACKER_DIR = Path(__file__).resolve().parent / "reads"
 ABSENT = "absent"
+PER_TEST_PLUGIN = "k3_pertest"  # reads/k3_pertest.py
 # Paths outside the tree are named relative to the project, with this in front.
 PROJECT = "project:"
 
 
-def tracker_env(log: Path, tree: Path, project_paths: list[Path], base: str) -> dict[str, str]:
+def tracker_env(log: Path, tree: Path, project_paths: list[Path], base: str, *,
+                per_test: bool = False) -> dict[str, str]:
     """The environment that makes the tracker record into `log` what is read
-    under `tree` and `project_paths` (PYTHONPATH must start with TRACKER_DIR)."""
+    under `tree` and `project_paths` (PYTHONPATH must start with TRACKER_DIR);
+    with `per_test`, also which of the tree's functions each test of the
+    pytest process runs (into `<log>.tests.json`, reads/k3_pertest.py)."""
     roots = os.pathsep.join(str(p) for p in [tree, *project_paths])
-    return {"K3_READS_LOG": str(log), "K3_READS_ROOT": roots, "K3_READS_BASE": base}
+    env = {"K3_READS_LOG": str(log), "K3_READS_ROOT": roots, "K3_READS_BASE": base}
+    if per_test:
+        plugins = [p for p in os.environ.get("PYTEST_PLUGINS", "").split(",") if p]
+        env.update(K3_TESTS_PROFILE="1", PYTEST_PLUGINS=",".join([*plugins, PER_TEST_PLUGIN]))
+    return env
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,12 @@ class Reads:
         paths = {line.split(" ", 2)[1] for line in set(self._seen(after, project)) ^ old}
         # A module lookup `pkg/mod` changes with its file `pkg/mod.py`: name the file.
         return sorted(p for p in paths if not any(q.startswith(p + ".") for q in paths))
+
+    def changed_entries(self, before: TreeIndex, after: TreeIndex, project: Path) -> list[str]:
+        """The entries (`<kind> <path>`) that see something else in `after`."""
+        old = set(self._seen(before, project))
+        return sorted({" ".join(line.split(" ", 2)[:2])
+                       for line in set(self._seen(after, project)) - old})
 
     def _seen(self, tree: TreeIndex, project: Path) -> list[str]:
         seen = []
@@ -188,6 +202,11 @@ class TreeIndex:
         if what != "blob" or kind == "r":
             return f"{what} {oid}"
         return f"blob {mode}" + (f" {size}" if kind == "s" else "")
+
+    def blob(self, path: str) -> str | None:
+        """The object id of a regular file `path`, or None."""
+        mode, what, oid, _ = self._entries.get(path, ("", "", "", ""))
+        return oid if what == "blob" and mode in ("100644", "100755") else None
 
     def entry(self, path: str) -> str:
         return self.state("r", path)

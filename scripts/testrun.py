@@ -31,6 +31,7 @@ table ends the run; any failure makes the exit status non-zero.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -62,6 +63,7 @@ from scripts.testcache import (
     what_changed,
     working_tree_id,
 )
+from scripts.testblocks import affected_tests
 from scripts.testdeps import TRACKER_DIR, Reads, TreeIndex, tracker_env
 from scripts.venv import venv_python
 
@@ -70,6 +72,7 @@ ROCM_LIST = "tests/vllm_regression_rocm.txt"
 ROCM_PLUGIN = ("-p", "rocm_emulation.plugin")
 JOBS_ENV = "K3_TEST_JOBS"
 LOG_TAIL = 40  # lines of a failing command's output shown as it fails
+_VALUED_OPTIONS = frozenset({"-p", "--deselect", "-k", "-m"})  # what the rows pass
 
 
 @dataclass
@@ -383,10 +386,12 @@ def _pytest_job(layout: Layout, suite: str, check: str, title: str, args: list[s
     command = _retypable(layout, args, cwd, path)
     where = rel(cwd, layout)
 
-    def run(log: Path, reads_log: Path | None = None) -> Part:
+    def run(log: Path, reads_log: Path | None = None, tests: list[str] | None = None) -> Part:
+        """Run it (only `tests`, node ids, if given)."""
         if checkout:
             checkout()
-        part = _pytest(layout, args, cwd, path, log, reads_log, tracked, servers)
+        chosen = args if tests is None else _options(args) + tests
+        part = _pytest(layout, chosen, cwd, path, log, reads_log, tracked, servers)
         part.command, part.where = command, where
         return part
 
@@ -396,6 +401,17 @@ def _pytest_job(layout: Layout, suite: str, check: str, title: str, args: list[s
              layout.root / "tests": "<project>/tests"}
     key_command = ("pytest", *args, "PYTHONPATH=" + os.pathsep.join(names[p] for p in path))
     return Job(suite, title, check, key_command, tree, run, tracked, inputs, where, command)
+
+
+def _options(args: list[str]) -> list[str]:
+    """pytest's options of `args`, without the files and tests it names."""
+    kept, words = [], iter(args)
+    for word in words:
+        if word in _VALUED_OPTIONS:
+            kept += [word, next(words)]
+        elif word.startswith("-"):
+            kept.append(word)
+    return kept
 
 
 def _retypable(layout: Layout, args: list[str], cwd: Path, path: list[Path]) -> str:
@@ -426,7 +442,7 @@ def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: P
     if tracked is not None and reads_log is not None:
         env["PYTHONPATH"] = f"{TRACKER_DIR}{os.pathsep}{env['PYTHONPATH']}"
         env.update(tracker_env(reads_log, tracked, [layout.root / p for p in sorted(
-            NOT_PROJECT_INPUTS)], read_state(layout.tree)["base_tag"]))
+            NOT_PROJECT_INPUTS)], read_state(layout.tree)["base_tag"], per_test=True))
     pytest_args = ["-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args]
     start = time.monotonic()
     served = None
@@ -528,6 +544,7 @@ class Runner:
         return len(chain) * (last["outcome"]["seconds"] if last else 60.0)
 
     def _one(self, job: Job, logs: Path) -> Part:
+        coverage = None
         if job.tracked:
             identity, material = self.context.unit(check=job.check, command=job.command)
             index = self._index(job.tree)
@@ -535,48 +552,140 @@ class Runner:
                 key = unit_key(identity, reads, reads.digest(index, self.layout.root))
                 if record := self.store.green(key):
                     return self._reused(job, record)
+            narrowed, why_all = (None, "") if self.fresh else self._narrowed(job, material)
+            if narrowed is not None:
+                return self._run_narrowed(job, identity, material, index, logs, *narrowed)
         else:
             key, material = self.context.key(self.layout.root, check=job.check,
                                              vllm_tree=job.tree, command=job.command,
                                              inputs=job.inputs)
             if record := (None if self.fresh else self.store.green(key)):
                 return self._reused(job, record)
-        changed = self._why(job, material)
+            why_all = ""
+        changed = self._why(job, material) + ([f"every test: {why_all}"] if why_all else [])
         self._say(job, "run ", ("; ".join(changed) if changed else "") or "first run")
-        log = logs / _slug(job.row) / f"{_slug(job.title)}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
+        log = self._log(logs, job)
         if job.tracked:
-            with tempfile.NamedTemporaryFile(prefix="reads-", suffix=".log",
-                                             dir=logs) as reads_log:
-                part = job.run(log, Path(reads_log.name))
-                reads = Reads.parse(Path(reads_log.name).read_text(errors="replace"),
-                                    job.tracked, self.layout.root)
+            part, reads, coverage = self._tracked_run(job, log, logs)
             self.store.add_reads(identity, reads)
             key = unit_key(identity, reads, reads.digest(index, self.layout.root))
         else:
             part = job.run(log)
             reads = None
         part.changed, part.title = changed, job.title
+        self._finish(job, part, key, material, reads, coverage)
+        return part
+
+    def _log(self, logs: Path, job: Job) -> Path:
+        log = logs / _slug(job.row) / f"{_slug(job.title)}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        return log
+
+    def _tracked_run(self, job: Job, log: Path, logs: Path,
+                     tests: list[str] | None = None) -> tuple[Part, Reads, dict | None]:
+        """Run a unit (only `tests`, if given) under the read tracker: its part,
+        what it read and its per-test record (None if none was written)."""
+        with tempfile.NamedTemporaryFile(prefix="reads-", suffix=".log",
+                                         dir=logs) as reads_log:
+            record = Path(reads_log.name + ".tests.json")
+            try:
+                part = job.run(log, Path(reads_log.name), tests)
+                reads = Reads.parse(Path(reads_log.name).read_text(errors="replace"),
+                                    job.tracked, self.layout.root)
+                coverage = json.loads(record.read_text()) if record.exists() else None
+            finally:
+                record.unlink(missing_ok=True)
+        return part, reads, coverage
+
+    def _finish(self, job: Job, part: Part, key: str | None, material: dict,
+                reads: Reads | None, coverage: dict | None) -> None:
+        """Keep a part that passed under its key (if it has one), and say how it ended."""
         part.where = job.where or part.where
-        self.store.record_green(key, {
-            "name": self._name(job), "row": job.row, "tree": job.tree, "material": material,
-            "reads": reads.id if reads else None, "outcome": asdict(part)})
+        if key is not None:
+            self.store.record_green(key, {
+                "name": self._name(job), "row": job.row, "tree": job.tree,
+                "material": material, "reads": reads.id if reads else None,
+                "tests": self.store.add_coverage(coverage) if coverage else None,
+                "outcome": asdict(part)})
         counts = f"{part.passed} passed, {part.failed} failed, {part.skipped} skipped"
         self._say(job, "FAIL" if part.failed else "ok  ",
                   f"{counts}, {part.seconds:.0f} s" + (f"; {part.note}" if part.note else ""))
         if part.failed and part.log:
             lines = (self.layout.root / part.log).read_text(errors="replace").splitlines()
             say("    " + "\n    ".join(lines[-LOG_TAIL:]) + f"\n    (all of it: {part.log})")
+
+    def _narrowed(self, job: Job, material: dict) -> tuple[tuple | None, str]:
+        """Whether only some tests of a unit can see what changed since its last
+        green run (scripts/testblocks.py): (its record, what changed, the tests
+        to run), or None and why every test runs ("" if there is no such run)."""
+        last = self.store.latest_green(self._name(job))
+        if not last or last.get("material") != material or not last.get("tree"):
+            return None, ""
+        coverage = self.store.coverage(last.get("tests"))
+        reads = self.store.reads_by_id(last["reads"]) if last.get("reads") else None
+        if coverage is None or reads is None or reads.opaque:
+            return None, ""
+        try:
+            before, after = self._index(last["tree"]), self._index(job.tree)
+        except StackError:
+            return None, ""  # its tree is gone from the repository
+        changes = {}
+        for entry in reads.changed_entries(before, after, self.layout.root):
+            kind, path = entry.split(" ", 1)
+            old, new = before.blob(path), after.blob(path)
+            if kind not in ("r", "s", "k") or not path.endswith(".py") or not (old and new):
+                return None, f"{path} changed, and not only inside a Python file"
+            changes[path] = (self._source(old), self._source(new))
+        chosen, why = affected_tests(coverage, changes)
+        if chosen is None:
+            return None, why
+        return (last, coverage, reads, sorted(changes), chosen), ""
+
+    def _run_narrowed(self, job: Job, identity: str, material: dict, index: TreeIndex,
+                      logs: Path, last: dict, coverage: dict, reads: Reads,
+                      paths: list[str], chosen: list[str]) -> Part:
+        """Run the tests of a unit that can see what changed since `last`; carry
+        the others' results over, and keep the whole under the unit's new key."""
+        tests = coverage["tests"]
+        since = f"since {last['row']}: " + ", ".join(paths[:3]) + (
+            f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        if not chosen:
+            self.store.record_green(unit_key(identity, reads, reads.digest(
+                index, self.layout.root)), {**last, "row": job.row, "tree": job.tree})
+            return self._reused(job, last, f"no test runs what changed {since}")
+        some = f"{len(chosen)} of {len(tests)} tests"
+        self._say(job, "run ", f"{some} run what changed {since}")
+        part, new_reads, new_coverage = self._tracked_run(job, self._log(logs, job), logs,
+                                                          chosen)
+        part.title, part.changed = job.title, [f"{some}: what they run changed {since}"]
+        part.note = (part.note + "; " if part.note else "") + f"ran {some}"
+        if part.failed or new_coverage is None:
+            self._finish(job, part, None, material, None, None)
+            return part
+        for nodeid in tests.keys() - set(chosen):
+            if tests[nodeid].get("outcome") == "skipped":
+                part.skipped += 1
+            else:
+                part.passed += 1
+        reads = Reads(reads.entries | new_reads.entries,
+                      tuple(sorted(set(reads.opaque) | set(new_reads.opaque))))
+        self.store.add_reads(identity, reads)
+        key = unit_key(identity, reads, reads.digest(index, self.layout.root))
+        self._finish(job, part, key, material, reads,
+                     _merge_coverage(coverage, new_coverage, chosen))
         return part
 
-    def _reused(self, job: Job, record: dict) -> Part:
+    def _source(self, blob: str) -> str:
+        return git(self.layout.tree, "cat-file", "blob", blob).stdout
+
+    def _reused(self, job: Job, record: dict, why: str = "") -> Part:
         saved = record["outcome"]
         # The counts of the run it repeats (in whichever tree), as this row's command.
         part = Part(**{**saved, "reused": {"date": record["date"], "key": record["key"],
                                            "seconds": saved["seconds"], "row": record["row"]},
                        "changed": [], "title": job.title, "where": job.where or saved["where"],
                        "command": job.retype or saved["command"], "log": ""})
-        self._say(job, "same", f"green at {shown_date(record['date'])} under key "
+        self._say(job, "same", why or f"green at {shown_date(record['date'])} under key "
                   f"{record['key'][:12]}")
         return part
 
@@ -610,6 +719,21 @@ class Runner:
             if verdict != "run ":
                 self._done += 1
             say(f"  {verdict} [{self._done}/{self._total}] {job.row}: {job.title}  ({detail})")
+
+
+def _merge_coverage(old: dict, new: dict, rerun: list[str]) -> dict:
+    """A unit's per-test record after running only `rerun`: theirs from `new`,
+    the others' from `old`; what ran outside the tests, from both."""
+    shared = {"code": {}, "data": [], "whole": []}
+    for record in (old, new):
+        part = record.get("shared", {})
+        for path, names in part.get("code", {}).items():
+            shared["code"][path] = sorted(set(shared["code"].get(path, [])) | set(names))
+        shared["data"] = sorted(set(shared["data"]) | set(part.get("data", [])))
+        shared["whole"] = sorted(set(shared["whole"]) | set(part.get("whole", [])))
+    ran = set(rerun)
+    tests = {n: (new["tests"].get(n, t) if n in ran else t) for n, t in old["tests"].items()}
+    return {"shared": shared, "tests": tests}
 
 
 def _slug(text: str) -> str:

@@ -13,6 +13,8 @@ the tree unseen: a write into it, or a subprocess that is neither Python
 with this tracker, nor a `git show`/`git archive` of the pristine release
 tag $K3_READS_BASE, nor one of the system probes below given no path in
 the tree. `make test` computes its keys from these lines (scripts/testdeps.py).
+With K3_TESTS_PROFILE set it also starts k3_pertest.py (in this process only),
+which records per test which of the tree's functions ran (scripts/testblocks.py).
 """
 
 import os
@@ -214,6 +216,10 @@ def _install() -> None:
     for module, name, kind in _PATH_FUNCTIONS:
         setattr(module, name, recorded(getattr(module, name), kind))
     sys.addaudithook(hook)
+    if os.environ.pop("K3_TESTS_PROFILE", None):  # this process only: not its children
+        import k3_pertest
+
+        k3_pertest.start()
 
 
 def _path_functions():

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -210,9 +211,9 @@ def test_a_second_run_with_nothing_changed_reuses_every_command(suites, capsys):
 
 
 @pytest.mark.parametrize(("k", "path", "text", "reads_it"), [
-    (1, "vllm/models/foo.py", FOO_PATCHED + "\n# patch 1, edited\n",
+    (1, "vllm/models/foo.py", FOO_PATCHED.replace("x * BLOCK", "BLOCK * x"),
      {("prefix 1/3", FOO), ("stack (ROCm)", FOO)}),
-    (2, "vllm/models/new.py", NEW_MODEL + "\n# patch 2, edited\n",
+    (2, "vllm/models/new.py", NEW_MODEL.replace("42", "40 + 2"),
      {("prefix 2/3", NEW), ("stack (ROCm)", NEW)}),
     (3, "vllm/models/bar.py", "def bar():\n    return 'bar'\n\n\nNAME = 'Bar'\n",
      {("regression", BAR), ("regression (ROCm)", BAR)}),
@@ -228,8 +229,53 @@ def test_changing_patch_k_reruns_what_reads_the_change_where_it_is(suites, k, pa
     # A rerun says what changed since its last green run.
     out = capsys.readouterr().out
     row, test = sorted(reads_it)[0]
-    assert f"{row}: {test}  (changed since " in out
-    assert path in out.split(f"{row}: {test}  (changed since ")[1].splitlines()[0]
+    said = out.split("run  [")[1:]
+    line = next(line.splitlines()[0] for line in said if f"] {row}: {test}  (" in line)
+    assert "changed since " in line and path in line
+
+
+TEST_BACKWARD = ("\n\ndef test_backward():\n    from vllm.models.foo import backward\n\n"
+                 "    assert backward(64) == 1\n")
+
+
+def _tests_run(project, row: str, title: str) -> list[str]:
+    """The tests the latest run of a unit ran, as its junit file names them."""
+    xml = (project.root / _parts(project)[(row, title)]["log"]).with_suffix(".xml")
+    return sorted(case.get("name") for case in ET.parse(xml).getroot().iter("testcase"))
+
+
+def test_a_change_inside_a_function_reruns_only_the_tests_that_run_it(suites, capsys):
+    """Patch 1 gets a second test; then an edit of backward() reruns test_backward
+    alone, with test_forward's result carried over; an edit no test runs (a
+    comment) reruns none; an edit to more than a function body reruns all."""
+    _change_patch(suites, 1, "tests/test_foo.py", TEST_FOO_PATCHED + TEST_BACKWARD)
+    assert _test(suites) == 0
+    _ran(suites)
+    _change_patch(suites, 1, "vllm/models/foo.py", FOO_PATCHED.replace("x / BLOCK",
+                                                                       "x / BLOCK / 1"))
+    assert _test(suites) == 0
+    assert ("prefix 1/3", FOO) in _ran(suites)
+    assert _tests_run(suites, "prefix 1/3", FOO) == ["test_backward"]
+    part = _parts(suites)[("prefix 1/3", FOO)]
+    assert (part["passed"], part["note"]) == (2, "ran 1 of 2 tests")
+    out = capsys.readouterr().out
+    assert "prefix 1/3: tests/test_foo.py  (1 of 2 tests run what changed since " in out
+    # A second tree with the same edit reuses the first's result whole.
+    assert _parts(suites)[("prefix 2/3", FOO)]["reused"]
+
+    _change_patch(suites, 1, "vllm/models/foo.py", FOO_PATCHED.replace("x / BLOCK",
+                                                                       "x / BLOCK / 1  # ok"))
+    assert _test(suites) == 0
+    assert {row for row, title in _ran(suites) if title == FOO} == set()
+    assert "no test runs what changed since " in capsys.readouterr().out
+
+    _change_patch(suites, 1, "vllm/models/foo.py", FOO_PATCHED + "\n\ndef sideways(x):\n"
+                  "    return x\n")
+    assert _test(suites) == 0
+    assert ("prefix 1/3", FOO) in _ran(suites)
+    assert _tests_run(suites, "prefix 1/3", FOO) == ["test_backward", "test_forward"]
+    assert "every test: vllm/models/foo.py: more than function bodies changed" in (
+        capsys.readouterr().out)
 
 
 def test_a_changed_patch_that_breaks_its_prefixes_is_caught(suites, capsys):
@@ -389,7 +435,7 @@ def test_fresh_runs_every_command(suites, monkeypatch, how):
 
 
 def test_only_runs_the_rows_it_names_with_the_same_reuse(suites, capsys):
-    _change_patch(suites, 1, "vllm/models/foo.py", FOO_PATCHED + "\n# edited\n")
+    _change_patch(suites, 1, "vllm/models/foo.py", FOO_PATCHED.replace("x * BLOCK", "BLOCK * x"))
     assert _test(suites, only="prefix 2/3, stack (ROCm)") == 0
     assert _ran(suites) == {("prefix 2/3", LINT), ("prefix 2/3", FOO), ("stack (ROCm)", FOO)}
     summary = _summary(suites)
@@ -427,7 +473,7 @@ def test_make_test_passes_fresh_and_only_as_given(tmp_path, variables, args):
 
 
 def test_the_summary_records_counts_retypable_commands_and_reuse(suites):
-    _change_patch(suites, 2, "vllm/models/new.py", NEW_MODEL + "\n# edited\n")
+    _change_patch(suites, 2, "vllm/models/new.py", NEW_MODEL.replace("42", "40 + 2"))
     assert _test(suites) == 0
     summary = _summary(suites)
     rows = {row["name"]: row for row in summary["rows"]}
