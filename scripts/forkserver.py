@@ -10,7 +10,9 @@ forks a child per test file that runs `pytest.main` on it, as a fresh
 (scripts/reads/sitecustomize.py `switch_log`); what the server read before
 the fork counts as read by every file it serves (`ForkServers.run` returns
 that log too). Under emulated ROCm the server applies the emulation before
-importing vLLM, as the rocm_emulation plugin does in a fresh process.
+importing vLLM, as the rocm_emulation plugin does in a fresh process. The
+server's objects are frozen out of the garbage collector before the first
+fork (gc.freeze), as CPython advises for a process that forks workers.
 
 A server that fails to start or dies is replaced by a plain pytest process
 for the files it would have served: slower, never different.
@@ -19,6 +21,7 @@ for the files it would have served: slower, never different.
 from __future__ import annotations
 
 import ast
+import gc
 import importlib
 import json
 import os
@@ -66,6 +69,11 @@ def serve(rocm: bool) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the child will import it, and say why
             pass
+    # What is alive now is shared with every child until written to. Out of the
+    # collector's reach, the gc.collect() that vLLM's tests run after each test
+    # neither walks it (half a second each, with torch and vLLM loaded) nor
+    # copies its pages into the child.
+    gc.freeze()
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     for line in sys.stdin:

@@ -52,6 +52,18 @@ def test_a_served_file_runs_as_in_a_process_of_its_own(tree, tmp_path, test, cod
     assert ("2 passed" if code == 0 else "1 failed") in last
 
 
+def test_a_child_collects_none_of_what_the_server_imported(tree, tmp_path):
+    """vLLM's tests call gc.collect() after each test: in a child, it must not walk
+    (and so copy) the server's objects."""
+    tree.write("tests/test_gc.py", "import gc\n\n\ndef test_frozen():\n"
+               "    assert gc.get_freeze_count() > 1000\n")
+    reads = tmp_path / "reads.log"
+    with ForkServers(Path(sys.executable), tmp_path / "servers") as servers:
+        code, _ = servers.run(tree.root, _env(tree, reads), ["-q", "tests/test_gc.py"],
+                              tmp_path / "out.log", reads)
+    assert code == 0, (tmp_path / "out.log").read_text()
+
+
 def test_what_the_server_read_before_the_fork_is_the_files_input(tree, tmp_path):
     """conftest's `import pkg.used` ran in the server: a file that never imports it
     itself still has it among its reads, as it would in a process of its own."""
