@@ -262,15 +262,24 @@ class ResultStore:
 
     def record_green(self, key: str, record: dict) -> None:
         """Keep `record` (its "outcome" passed) under `key`, and as the latest
-        green of its "name" (what a rerun compares its inputs with)."""
+        green of its "name" (what a rerun compares its inputs with), in any row
+        and in its own."""
         if record["outcome"]["failed"]:
             return  # a failure is never reused: the next run tries again
         record = {**record, "key": key, "date": now()}
         _write_json(self.dir / "green" / f"{key}.json", record)
         _write_json(self.dir / "latest" / f"{_slug(record['name'])}.json", {"key": key})
+        self.mark_latest(record["name"], record["row"], key)
 
-    def latest_green(self, name: str) -> dict | None:
-        pointer = _read_json(self.dir / "latest" / f"{_slug(name)}.json")
+    def mark_latest(self, name: str, row: str, key: str) -> None:
+        """Make the green record under `key` the latest of `name` in `row` (a row
+        that reuses another's result has it as its own)."""
+        _write_json(self.dir / "latest" / f"{_slug(name + chr(0) + row)}.json", {"key": key})
+
+    def latest_green(self, name: str, row: str | None = None) -> dict | None:
+        """The latest green record of `name` (in `row`, if given)."""
+        slug = _slug(name if row is None else name + chr(0) + row)
+        pointer = _read_json(self.dir / "latest" / f"{slug}.json")
         return self.green(pointer["key"]) if pointer else None
 
     # What units read: each Reads once (by id), and per unit the ids it has had.

@@ -615,11 +615,22 @@ class Runner:
             say("    " + "\n    ".join(lines[-LOG_TAIL:]) + f"\n    (all of it: {part.log})")
 
     def _narrowed(self, job: Job, material: dict) -> tuple[tuple | None, str]:
-        """Whether only some tests of a unit can see what changed since its last
-        green run (scripts/testblocks.py): (its record, what changed, the tests
-        to run), or None and why every test runs ("" if there is no such run)."""
-        last = self.store.latest_green(self._name(job))
-        if not last or last.get("material") != material or not last.get("tree"):
+        """Whether only some tests of a unit can see what changed since a green
+        run of it (scripts/testblocks.py): (that record, what changed, the tests
+        to run), or None and why every test runs ("" if there is no such run).
+        The candidates: its last green run in this row (after a change to one
+        patch, the same tree but that change), and in any row (the tree of the
+        prefix before, in a first run); the one with fewer tests to run wins."""
+        name = self._name(job)
+        candidates = {last["key"]: last for last in (self.store.latest_green(name, job.row),
+                                                     self.store.latest_green(name)) if last}
+        found = [self._narrowed_from(job, material, last) for last in candidates.values()]
+        if narrowed := [f for f in found if f[0] is not None]:
+            return min(narrowed, key=lambda f: len(f[0][-1]))
+        return next((f for f in found if f[1]), (None, ""))
+
+    def _narrowed_from(self, job: Job, material: dict, last: dict) -> tuple[tuple | None, str]:
+        if last.get("material") != material or not last.get("tree"):
             return None, ""
         coverage = self.store.coverage(last.get("tests"))
         reads = self.store.reads_by_id(last["reads"]) if last.get("reads") else None
@@ -687,6 +698,7 @@ class Runner:
                        "command": job.retype or saved["command"], "log": ""})
         self._say(job, "same", why or f"green at {shown_date(record['date'])} under key "
                   f"{record['key'][:12]}")
+        self.store.mark_latest(self._name(job), job.row, record["key"])
         return part
 
     def _why(self, job: Job, material: dict) -> list[str]:

@@ -278,6 +278,23 @@ def test_a_change_inside_a_function_reruns_only_the_tests_that_run_it(suites, ca
         capsys.readouterr().out)
 
 
+def test_after_a_change_to_one_patch_each_row_narrows_from_its_own_last_run(suites):
+    """Patch 2 adds a function to foo.py: from prefix 1's tree to prefix 2's, more
+    than function bodies differ. An edit of forward() in patch 1 still reruns
+    only test_forward in prefix 2, against prefix 2's own last run."""
+    _change_patch(suites, 1, "tests/test_foo.py", TEST_FOO_PATCHED + TEST_BACKWARD)
+    _change_patch(suites, 2, "vllm/models/foo.py", FOO_PATCHED + "\n\ndef sideways(x):\n"
+                  "    return x\n")
+    assert _test(suites) == 0
+    _ran(suites)
+    _change_patch(suites, 1, "vllm/models/foo.py", FOO_PATCHED.replace("x * BLOCK",
+                                                                       "BLOCK * x"))
+    assert _test(suites) == 0
+    assert {("prefix 1/3", FOO), ("prefix 2/3", FOO)} <= _ran(suites)
+    assert _tests_run(suites, "prefix 1/3", FOO) == ["test_forward"]
+    assert _tests_run(suites, "prefix 2/3", FOO) == ["test_forward"]
+
+
 def test_a_changed_patch_that_breaks_its_prefixes_is_caught(suites, capsys):
     """Patch 2 now returns 41 and a new patch 4 puts 42 back: the full stack is
     green, the trees after patches 2 and 3 are red, the one after patch 1 is reused."""
