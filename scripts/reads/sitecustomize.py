@@ -25,7 +25,7 @@ import threading
 _PROBES = frozenset({"uname", "ldconfig", "file", "lscpu", "nproc", "hostname", "which",
                      "nvidia-smi", "rocm-smi", "amd-smi", "rocminfo", "openssl",
                      "gcc", "cc", "ld", "g++", "c++", "clang", "clang++", "nvcc", "hipcc",
-                     "hipconfig"})
+                     "hipconfig", "ptxas"})
 # Their short options whose value is a path (-I., -o out): -D, -l, -O, -W and
 # the like name none.
 _PATH_OPTIONS = ("-I", "-L", "-o", "-B", "-F", "-include", "-isystem", "-iquote", "-imacros")
