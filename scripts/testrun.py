@@ -593,8 +593,9 @@ class Runner:
                 reads = Reads.parse(Path(reads_log.name).read_text(errors="replace"),
                                     job.tracked, self.layout.root)
                 coverage = json.loads(record.read_text()) if record.exists() else None
-            finally:
-                record.unlink(missing_ok=True)
+            finally:  # and the plugin's scratch copy, if it was killed while writing
+                for path in (record, Path(f"{record}.part")):
+                    path.unlink(missing_ok=True)
         return part, reads, coverage
 
     def _finish(self, job: Job, part: Part, key: str | None, material: dict,
