@@ -10,16 +10,20 @@ into the unit's "shared" bucket: collection, imports, fixtures that outlive
 their test, the fork server's start. A test that reads one of the tree's
 Python files as text, or runs what the profiler cannot see (a thread, a
 subprocess, a process pool, Dynamo's tracing, Triton's compiler, another
-profile hook) is marked "whole". At the end the record is written beside
+profile hook) is marked "whole", as is one during which a process or a
+thread started before it still runs: a zygote or a server started by a
+session's fixture runs code for every test that talks to it. At the end the record is written beside
 the unit's read log, as `<K3_READS_LOG>.tests.json`; scripts/testblocks.py
 decides from it which tests a change reaches.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
+import threading
 
 import _lsprof
 
@@ -122,6 +126,22 @@ class Recorder:
                     nodeid, "passed")} for nodeid, bucket in self.tests.items()}}
 
 
+def _still_running() -> set[str]:
+    """Why code may run for the current test where this thread's profiler cannot
+    see it: child processes or other threads that outlived what started them."""
+    why = set()
+    for children in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            with open(children) as f:
+                if f.read().split():
+                    why.add("a process started before it still runs")
+        except OSError:
+            continue
+    if any(t is not threading.main_thread() for t in threading.enumerate()):
+        why.add("a thread started before it still runs")
+    return why
+
+
 def _from(files: tuple[str, ...]) -> bool:
     frame = sys._getframe(2)
     for _ in range(16):
@@ -180,11 +200,19 @@ if pytest is not None:
         if recorder is None:
             yield
             return
-        before = recorder.switch(recorder.tests.setdefault(item.nodeid, _bucket()))
+        bucket = recorder.tests.setdefault(item.nodeid, _bucket())
+        bucket["whole"] |= _still_running()
+        before = recorder.switch(bucket)
         try:
             yield
         finally:
             recorder.switch(before)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item):
+        if recorder is not None and recorder.current is not recorder.shared:
+            recorder.current["whole"] |= _still_running()  # its fixtures' too
+        yield
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_fixture_setup(fixturedef, request):

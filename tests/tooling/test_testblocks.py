@@ -114,6 +114,9 @@ PACKAGE = {
     "pkg/late.py": "from pkg.ops import mul\n\nTABLE = mul(3, 4)\n",
     "pkg/setup.py": "def make():\n    return {'ready': True}\n",
     "tests/test_pkg.py": textwrap.dedent('''\
+        import queue
+        import subprocess
+        import sys
         import threading
         from pathlib import Path
 
@@ -150,6 +153,42 @@ PACKAGE = {
         @pytest.mark.skip(reason="not today")
         def test_skipped():
             pass
+
+
+        @pytest.fixture(scope="session")
+        def server():
+            """A process that runs pkg's code for the tests that ask it."""
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "import sys\\nfrom pkg import ops\\n"
+                 "for line in sys.stdin:\\n    print(ops.mul(2, int(line)), flush=True)"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            yield proc
+            proc.stdin.close()
+            proc.wait()
+
+
+        def test_served(server):
+            server.stdin.write("3\\n")
+            server.stdin.flush()
+            assert server.stdout.readline() == "6\\n"
+
+
+        @pytest.fixture(scope="module")
+        def worker():
+            """A thread that runs pkg's code for the tests that hand it work."""
+            jobs, results = queue.Queue(), queue.Queue()
+            thread = threading.Thread(target=lambda: [results.put(ops.add(*job)) for job in
+                                                      iter(jobs.get, None)])
+            thread.start()
+            yield jobs, results
+            jobs.put(None)
+            thread.join()
+
+
+        def test_handed_to_a_thread(worker):
+            jobs, results = worker
+            jobs.put((1, 2))
+            assert results.get() == 3
         '''),
 }
 
@@ -168,7 +207,8 @@ def test_pytest_records_what_each_test_runs(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads(Path(f"{log}.tests.json").read_text())
     tests = {nodeid.split("::")[1]: bucket for nodeid, bucket in record["tests"].items()}
-    assert list(tests) == ["test_add", "test_late", "test_thread", "test_source", "test_skipped"]
+    assert list(tests) == ["test_add", "test_late", "test_thread", "test_source", "test_skipped",
+                           "test_served", "test_handed_to_a_thread"]
     assert tests["test_add"]["code"] == {"pkg/ops.py": ["add"],
                                          "tests/test_pkg.py": ["test_add"]}
     # What an import or a module-scoped fixture runs outlives its test: the unit's.
@@ -179,3 +219,7 @@ def test_pytest_records_what_each_test_runs(tmp_path):
     assert tests["test_source"]["data"] == ["pkg/ops.py"]
     assert tests["test_skipped"]["outcome"] == "skipped"
     assert tests["test_add"]["outcome"] == "passed"
+    # Code another process or thread runs for a test: the profiler cannot see it.
+    assert tests["test_served"]["whole"] == ["a process started before it still runs"]
+    assert "a thread started before it still runs" in tests["test_handed_to_a_thread"]["whole"]
+    assert tests["test_add"]["whole"] == tests["test_source"]["whole"] == []
