@@ -14,7 +14,9 @@ to that patch would; its `make test` starts from the green results of this
 project, as after a one-patch change. (The baseline's full-stack rows run once
 more: its clone of build/vllm links the editable install's build outputs,
 vllm/third_party/*, where build/vllm holds the folders themselves, and the
-tests look at them. The mutations start from the baseline's results.) The
+tests look at them. The mutations start from the baseline's results, and read
+the trees they name from the baseline's clone, kept until the last mutation is
+done.) The
 report names the rows and tests
 that failed (the defect is caught) and the wall time of each run, and ends
 non-zero if a defect went uncaught or the control failed anything.
@@ -112,6 +114,7 @@ def mutate(layout: Layout, names: list[str], project: Path | None = None,
                          "(see its build/make-test.log): fix that before asking what catches a defect")
     results = [_one(layout, source, folder, m, folder / "baseline" / "build" / RESULTS, fresh)
                for m in chosen]
+    _remove_scratch(folder / "baseline", keep=_kept(folder / "baseline"))
     _write_report(folder, source, baseline, results)
     return _print(results)
 
@@ -131,7 +134,8 @@ def _one(layout: Layout, source: Path, folder: Path, mutation: Mutation | None,
            "K3_CACHE_DIR": str(layout.cache_dir)}
     # In the scratch project's build/, like its results: a file at its top would be
     # one of the project's files, an input of every key.
-    log_path = scratch / "build" / "make-test.log"
+    log_path, _ = _kept(scratch)
+    tree = scratch / "build" / "vllm"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         code = subprocess.run([sys.executable, "-m", "scripts", "test",
@@ -141,10 +145,17 @@ def _one(layout: Layout, source: Path, folder: Path, mutation: Mutation | None,
     caught = _failures(scratch)
     say(f"  make test in {rel(scratch, layout)} exited {code} after {seconds:.0f} s; "
         + (f"failed: {', '.join(sorted(caught))}" if caught else "nothing failed"))
-    _remove_scratch(scratch, keep=(log_path, scratch / "build" / RESULTS))
+    # The baseline's clone stays until the mutations are done: its green records
+    # name the trees it wrote into its own object store.
+    _remove_scratch(scratch, keep=_kept(scratch) + ((tree,) if mutation is None else ()))
     return {"name": name, "defect": mutation.defect if mutation else "",
             "control": mutation.control if mutation else True, "patches": changed,
             "exit": code, "seconds": round(seconds), "caught": caught}
+
+
+def _kept(scratch: Path) -> tuple[Path, Path]:
+    """What a scratch project keeps when its run is over: its log, its results."""
+    return scratch / "build" / "make-test.log", scratch / "build" / RESULTS
 
 
 def _scratch_project(layout: Layout, source: Path, scratch: Path, mutation: Mutation | None,
@@ -162,6 +173,13 @@ def _scratch_project(layout: Layout, source: Path, scratch: Path, mutation: Muta
     tree.parent.mkdir(parents=True, exist_ok=True)
     git(layout.tree, "clone", "--quiet", "--shared", "--no-checkout", str(layout.tree),
         str(tree))
+    baseline_objects = scratch.parent / "baseline" / "build" / "vllm" / ".git" / "objects"
+    if mutation is not None and baseline_objects.is_dir():
+        # The trees of the baseline's records (their build outputs linked in) are
+        # objects of its clone: without them a mutation's rows could not compare
+        # their tree with the baseline's and narrow down to the tests it reaches.
+        with open(tree / ".git" / "objects" / "info" / "alternates", "a") as alternates:
+            alternates.write(f"{baseline_objects.resolve()}\n")
     changed = _mutated_stack(layout, tree, mutation)
     link_build_outputs(layout.tree, tree)
     if start_from.is_dir():

@@ -112,3 +112,36 @@ def test_a_stack_that_fails_as_it_is_stops_the_check(stand_in, monkeypatch):
 def test_an_unknown_name_is_refused(stand_in):
     with pytest.raises(StackError, match=r"unknown mutation\(s\) nope; known: stale-pointers"):
         mutate.mutate(stand_in.layout, ["nope"])
+
+
+# A make test that writes an object into its clone of build/vllm on its first run
+# (as a real run writes the trees it compares), and fails when a later run, in
+# another scratch project, cannot read it back.
+OBJECT_TEST = textwrap.dedent('''\
+    import json, subprocess, sys
+    from pathlib import Path
+
+    results = Path.cwd() / "build" / "test-results"
+    results.mkdir(parents=True, exist_ok=True)
+    saved = results / "object"
+    git = ["git", "-C", "build/vllm"]
+    if saved.exists():
+        failed = subprocess.run(git + ["cat-file", "-e", saved.read_text()]).returncode != 0
+    else:
+        saved.write_text(subprocess.run(git + ["hash-object", "-w", "--stdin"], input="mine",
+                                        capture_output=True, text=True).stdout.strip())
+        failed = False
+    part = {"command": "read the baseline's tree", "failed": int(failed)}
+    summary = {"rows": [{"name": "stack", "failed": int(failed), "parts": [part]}]}
+    (results / "summary.json").write_text(json.dumps(summary))
+    sys.exit(int(failed))
+''')
+
+
+def test_each_mutation_reads_the_objects_of_the_baseline_it_starts_from(
+        stand_in, monkeypatch, capsys):
+    (stand_in.other / "scripts" / "__main__.py").write_text(OBJECT_TEST)
+    monkeypatch.setattr(mutate, "MUTATIONS", (CONTROL,))
+    assert mutate.mutate(stand_in.layout, [], project=stand_in.other) == 0, capsys.readouterr()
+    # Once the mutations are done, the baseline's clone goes too.
+    assert not (stand_in.root / "build/mutate/baseline/build/vllm").exists()
