@@ -10,13 +10,14 @@ Rows, in order:
 - regression: vLLM's existing tests of the code the stack touches
   (tests/vllm_regression.txt), run in build/vllm, a pytest process per folder;
 - verification: this project's end-to-end checks of both drafters on CPU
-  (tests/verification/);
+  (tests/verification/), one pytest process, so that its files share the
+  emulated-platform zygotes (each imports torch and vLLM, ~13 s);
 - stack (ROCm), regression (ROCm): the stack and regression rows again, in
   pytest processes under vLLM's RocmPlatform emulated on CPU
   (tests/rocm_emulation/), minus tests/vllm_regression_rocm.txt's deselects.
 
 A row is a list of commands: a lint run, or a "unit" (one pytest process of
-one test file, or of one folder's regression entries). Every unit imports
+one test file, of one folder's regression entries, or of tests/verification). Every unit imports
 vLLM from the tree it tests, under the read tracker (scripts/testdeps.py).
 A command whose key is that of an earlier green run is not run again
 (scripts/testcache.py): a unit's key is the digest of what it read, so a
@@ -69,6 +70,7 @@ from scripts.venv import venv_python
 
 REGRESSION_LIST = "tests/vllm_regression.txt"
 ROCM_LIST = "tests/vllm_regression_rocm.txt"
+VERIFICATION = "tests/verification"
 ROCM_PLUGIN = ("-p", "rocm_emulation.plugin")
 JOBS_ENV = "K3_TEST_JOBS"
 LOG_TAIL = 40  # lines of a failing command's output shown as it fails
@@ -210,8 +212,6 @@ def test_rows(layout: Layout, base: str, prefixes: PrefixTrees,
     tree = working_tree_id(layout.tree)
     stack_tests = stack_test_files(layout.tree, base)
     regression = _regression_groups(layout, stack_tests)
-    verification = sorted(p.relative_to(layout.root).as_posix()
-                          for p in (layout.root / "tests/verification").glob("test_*.py"))
     root = [layout.root]
     rows = [
         # The tooling tests build fake releases of their own; they never read build/vllm.
@@ -234,10 +234,10 @@ def test_rows(layout: Layout, base: str, prefixes: PrefixTrees,
         Row("regression", tree, [_vllm_unit(layout, "regression", folder, args, layout.tree,
                                             in_tree, tree, servers)
                                  for folder, args in regression]),
-        Row("verification", tree, [_pytest_job(layout, "verification", "verification", f,
-                                               [f], layout.root, in_tree, tree=tree,
-                                               tracked=layout.tree)
-                                   for f in verification]),
+        # One process: its files share the zygotes of tests/verification/conftest.py.
+        Row("verification", tree, [_pytest_job(layout, "verification", "verification",
+                                               VERIFICATION, [VERIFICATION], layout.root,
+                                               in_tree, tree=tree, tracked=layout.tree)]),
     ]
     # vLLM's own tests again, under the ROCm platform emulated on CPU.
     deselects, renamed = rocm_list(layout)
