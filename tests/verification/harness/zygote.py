@@ -97,7 +97,10 @@ class Zygote:
         if not self._ready:
             status = _recv(self.proc.stdout)
             if status[0] != "ready":
-                raise RuntimeError(f"zygote {self.mode} failed to start: {status[1]}")
+                raise RuntimeError(
+                    f"zygote {self.mode} failed to start: {status[1]}\n"
+                    f"its output ends:\n{self._output_tail()}"
+                )
             self._ready = True
 
     def call(self, fn, /, **kwargs):
@@ -117,6 +120,11 @@ class Zygote:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        os.unlink(self.log.name)  # what it printed is of no use once it is gone
+
+    def _output_tail(self, lines: int = 40) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
 
 
 def _run_child(module: str, qualname: str, kwargs: dict, wfd: int) -> None:
