@@ -143,6 +143,7 @@ class Job:
     inputs: tuple[str, ...] = ()
     where: str = ""  # the folder it runs in, as Part.where
     retype: str = ""  # its command line there, if known before it runs
+    files: int = 1  # the test files it runs: its weight before it has run once
 
     @property
     def chain(self) -> tuple:
@@ -400,7 +401,20 @@ def _pytest_job(layout: Layout, suite: str, check: str, title: str, args: list[s
     names = {tracked: "<vllm tree>", layout.tree: "<vllm tree>", layout.root: "<project>",
              layout.root / "tests": "<project>/tests"}
     key_command = ("pytest", *args, "PYTHONPATH=" + os.pathsep.join(names[p] for p in path))
-    return Job(suite, title, check, key_command, tree, run, tracked, inputs, where, command)
+    return Job(suite, title, check, key_command, tree, run, tracked, inputs, where, command,
+               files=_test_file_count(cwd, args))
+
+
+def _test_file_count(cwd: Path, args: list[str]) -> int:
+    """How many test files pytest's `args` name (a folder counts what it holds)."""
+    count, words = 0, iter(args)
+    for word in words:
+        if word in _VALUED_OPTIONS:
+            next(words)
+        path = cwd / word.split("::")[0]
+        if not word.startswith("-") and path.exists():
+            count += len(list(path.rglob("test_*.py"))) if path.is_dir() else 1
+    return max(count, 1)
 
 
 def _options(args: list[str]) -> list[str]:
@@ -540,8 +554,9 @@ class Runner:
         return parts
 
     def _expected_seconds(self, chain: list[Job]) -> float:
+        """How long a chain takes, by its last run (or a minute per test file)."""
         last = self.store.latest_green(self._name(chain[0]))
-        return len(chain) * (last["outcome"]["seconds"] if last else 60.0)
+        return len(chain) * (last["outcome"]["seconds"] if last else 60.0 * chain[0].files)
 
     def _one(self, job: Job, logs: Path) -> Part:
         coverage = None

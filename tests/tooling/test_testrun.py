@@ -144,3 +144,25 @@ def test_recipes_row_runs_hadolint_on_every_recipe(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ok   docker/Dockerfile.rocm-overlay" in out
     assert "FAIL docker/Dockerfile.bad" in out and "DL3008" in out
+
+
+def test_before_any_run_a_unit_weighs_as_many_test_files_as_it_runs(tmp_path):
+    """A fresh run (CI's) starts the units of many files first: the one over all
+    of tests/verification must not be left to run alone at the end."""
+    for name in ("a/test_one.py", "a/test_two.py", "a/helper.py", "test_three.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+
+    class NoRecords:
+        def latest_green(self, name):
+            return None
+
+    runner = testrun.Runner(Layout(tmp_path), None, NoRecords(), fresh=True)
+
+    def chain(args: list[str]) -> list[testrun.Job]:
+        return [testrun.Job("row", "t", "c", ("pytest", *args), None, lambda log: None,
+                            files=testrun._test_file_count(tmp_path, args))]
+
+    assert runner._expected_seconds(chain(["a"])) == 120.0
+    assert runner._expected_seconds(chain(["-p", "a", "test_three.py::test_x"])) == 60.0
+    assert runner._expected_seconds(chain(["--deselect", "a/test_one.py::t", "a"])) == 120.0
