@@ -10,14 +10,16 @@ Rows, in order:
 - regression: vLLM's existing tests of the code the stack touches
   (tests/vllm_regression.txt), run in build/vllm, a pytest process per folder;
 - verification: this project's end-to-end checks of both drafters on CPU
-  (tests/verification/), one pytest process, so that its files share the
-  emulated-platform zygotes (each imports torch and vLLM, ~13 s);
+  (tests/verification/); the files that use its emulated-platform zygotes in
+  one pytest process, where they share them (each imports torch and vLLM,
+  ~13 s), the others one process each;
 - stack (ROCm), regression (ROCm): the stack and regression rows again, in
   pytest processes under vLLM's RocmPlatform emulated on CPU
   (tests/rocm_emulation/), minus tests/vllm_regression_rocm.txt's deselects.
 
 A row is a list of commands: a lint run, or a "unit" (one pytest process of
-one test file, of one folder's regression entries, or of tests/verification). Every unit imports
+one test file, of one folder's regression entries, or of the verification
+files that share zygotes). Every unit imports
 vLLM from the tree it tests, under the read tracker (scripts/testdeps.py).
 A command whose key is that of an earlier green run is not run again
 (scripts/testcache.py): a unit's key is the digest of what it read, so a
@@ -32,6 +34,7 @@ table ends the run; any failure makes the exit status non-zero.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shlex
@@ -235,10 +238,10 @@ def test_rows(layout: Layout, base: str, prefixes: PrefixTrees,
         Row("regression", tree, [_vllm_unit(layout, "regression", folder, args, layout.tree,
                                             in_tree, tree, servers)
                                  for folder, args in regression]),
-        # One process: its files share the zygotes of tests/verification/conftest.py.
         Row("verification", tree, [_pytest_job(layout, "verification", "verification",
-                                               VERIFICATION, [VERIFICATION], layout.root,
-                                               in_tree, tree=tree, tracked=layout.tree)]),
+                                               title, files, layout.root, in_tree, tree=tree,
+                                               tracked=layout.tree)
+                                   for title, files in verification_units(layout)]),
     ]
     # vLLM's own tests again, under the ROCm platform emulated on CPU.
     deselects, renamed = rocm_list(layout)
@@ -256,6 +259,43 @@ def test_rows(layout: Layout, base: str, prefixes: PrefixTrees,
                                         for folder, args in regression]),
     ]
     return rows
+
+
+def verification_units(layout: Layout) -> list[tuple[str, list[str]]]:
+    """tests/verification as units, (title, files): the files whose tests take
+    one of its conftest's zygote fixtures in one pytest process, where they
+    share the zygotes (each imports torch and vLLM, ~13 s); every other file
+    alone, so that what it reads stays its own (one that runs a shell reads,
+    for its key, the whole tree)."""
+    folder = layout.root / VERIFICATION
+    fixtures = _zygote_fixtures(folder / "conftest.py")
+    files = sorted(p.relative_to(layout.root).as_posix() for p in folder.glob("test_*.py"))
+    sharing = [f for f in files if _takes(layout.root / f, fixtures)]
+    units = [(f, [f]) for f in files if f not in sharing]
+    if sharing:
+        units.insert(0, (f"{VERIFICATION} ({len(sharing)} files sharing zygotes)", sharing))
+    return units
+
+
+def _zygote_fixtures(conftest: Path) -> set[str]:
+    """The fixtures of a conftest that return a Zygote (`def rocm() -> Zygote`)."""
+    try:
+        module = ast.parse(conftest.read_text())
+    except (OSError, SyntaxError):
+        return set()
+    return {node.name for node in module.body if isinstance(node, ast.FunctionDef)
+            and isinstance(node.returns, ast.Name) and node.returns.id == "Zygote"
+            and node.decorator_list}
+
+
+def _takes(test_file: Path, fixtures: set[str]) -> bool:
+    """Whether a test of `test_file` takes one of `fixtures` as an argument."""
+    try:
+        module = ast.parse(test_file.read_text())
+    except (OSError, SyntaxError):
+        return False
+    return any(isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+               and fixtures & {a.arg for a in node.args.args} for node in ast.walk(module))
 
 
 def stack_test_files(tree: Path, base: str, rev: str = "HEAD") -> list[str]:

@@ -166,3 +166,21 @@ def test_before_any_run_a_unit_weighs_as_many_test_files_as_it_runs(tmp_path):
     assert runner._expected_seconds(chain(["a"])) == 120.0
     assert runner._expected_seconds(chain(["-p", "a", "test_three.py::test_x"])) == 60.0
     assert runner._expected_seconds(chain(["--deselect", "a/test_one.py::t", "a"])) == 120.0
+
+
+def test_the_verification_files_that_take_a_zygote_share_one_unit(tmp_path):
+    """Each zygote costs a vLLM import: the files whose tests take one run in one
+    process; the others alone, so that what one of them reads stays its own."""
+    folder = tmp_path / testrun.VERIFICATION
+    folder.mkdir(parents=True)
+    (folder / "conftest.py").write_text(
+        "import pytest\n\n\n@pytest.fixture(scope='session')\ndef rocm() -> Zygote:\n"
+        "    return Zygote('rocm')\n\n\ndef helper() -> int:\n    return 1\n")
+    (folder / "test_a.py").write_text("def test_one(rocm):\n    pass\n")
+    (folder / "test_b.py").write_text("class TestB:\n    def test_two(self, rocm):\n"
+                                      "        pass\n")
+    (folder / "test_c.py").write_text("def test_three(helper, tmp_path):\n    pass\n")
+    assert testrun.verification_units(Layout(tmp_path)) == [
+        ("tests/verification (2 files sharing zygotes)",
+         ["tests/verification/test_a.py", "tests/verification/test_b.py"]),
+        ("tests/verification/test_c.py", ["tests/verification/test_c.py"])]
