@@ -149,15 +149,32 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.reads.unlink(missing_ok=True)  # read by each file it served, as it ended
+
+
+def idle_servers_memory_allows() -> int:
+    """How many servers may wait idle: each holds about 1 GB, and together they
+    take at most a third of the memory available now (at least 2). A run over
+    the eight trees of the stack needs nine (a tree each, and build/vllm's
+    emulated ROCm); with fewer, a server is started again for most files."""
+    try:
+        with open("/proc/meminfo") as f:
+            available_kb = next(int(line.split()[1]) for line in f
+                                if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 2
+    return max(2, available_kb // (3 * 1024 * 1024))
 
 
 class ForkServers:
     """Servers by (folder, environment), started when a file first needs one; as many
-    per key as files run at once there. At most `keep` wait idle (each holds
-    about 1 GB): the one idle longest goes first. Leaving closes them all."""
+    per key as files run at once there. At most `keep` wait idle (by default as
+    many as memory allows): the one idle longest goes first. Leaving closes
+    them all."""
 
-    def __init__(self, python: Path, scratch: Path, keep: int = 2):
-        self.python, self.scratch, self.keep = python, scratch, keep
+    def __init__(self, python: Path, scratch: Path, keep: int | None = None):
+        self.python, self.scratch = python, scratch
+        self.keep = idle_servers_memory_allows() if keep is None else keep
         self._idle: dict[tuple, list[_Server]] = {}
         self._all: list[_Server] = []
         self._lock = threading.Lock()

@@ -72,8 +72,10 @@ def test_what_the_server_read_before_the_fork_is_the_files_input(tree, tmp_path)
         code, server_reads = servers.run(tree.root, _env(tree, reads),
                                          ["-q", "tests/test_pass.py"], tmp_path / "o.log",
                                          reads)
+        before_fork = Reads.parse(server_reads.read_text(), tree.root, tmp_path).entries
     assert code == 0
-    assert "r pkg/used.py" in Reads.parse(server_reads.read_text(), tree.root, tmp_path).entries
+    assert "r pkg/used.py" in before_fork
+    assert not server_reads.exists()  # a closed server leaves nothing behind
     mine = Reads.parse(reads.read_text(), tree.root, tmp_path).entries
     assert "r tests/test_pass.py" in mine and "r pkg/used.py" not in mine
 
