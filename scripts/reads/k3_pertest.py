@@ -12,9 +12,9 @@ Python files as text, or runs what the profiler cannot see (a thread, a
 subprocess, a process pool, Dynamo's tracing, Triton's compiler, another
 profile hook) is marked "whole", as is one during which a process or a
 thread started before it still runs: a zygote or a server started by a
-session's fixture runs code for every test that talks to it. At the end the record is written beside
-the unit's read log, as `<K3_READS_LOG>.tests.json`; scripts/testblocks.py
-decides from it which tests a change reaches.
+session's fixture runs code for every test that talks to it. At the end the
+record is written beside the unit's read log, as `<K3_READS_LOG>.tests.json`;
+scripts/testblocks.py decides from it which tests a change reaches.
 """
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ class Zygote:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        os.unlink(self.log.name)  # what it printed is of no use once it is gone
+        # What it printed is of no use once it is gone (a second close finds none).
+        Path(self.log.name).unlink(missing_ok=True)
 
     def _output_tail(self, lines: int = 40) -> str:
         with open(self.log.name, errors="replace") as f:
