@@ -29,6 +29,10 @@ from vllm.models.kimi_k3.nvidia.dspark_mla import (
 )
 from vllm.v1.worker.workspace import WorkspaceManager
 
+# CPU tests that start no distributed environment: vLLM's per-test cleanup
+# would only add a full gc.collect() after each of them.
+pytestmark = pytest.mark.skip_global_cleanup
+
 _KIMI_K3 = "vllm.models.kimi_k3"
 _COMMON_PACKAGE = f"{_KIMI_K3}.common"
 _COMMON_MODULES = ("dspark_mla.py", "mla_rope.py")

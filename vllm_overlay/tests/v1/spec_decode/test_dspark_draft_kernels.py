@@ -33,7 +33,7 @@ from vllm.v1.worker.gpu.spec_decode.dspark.utils import (
     draft_ir_op_priority,
 )
 
-pytestmark = pytest.mark.cpu_test
+pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
 
 
 def _config(**kwargs) -> VllmConfig:
