@@ -648,8 +648,11 @@ class Runner:
                 reads = Reads.parse(Path(reads_log.name).read_text(errors="replace"),
                                     job.tracked, self.layout.root)
                 coverage = json.loads(record.read_text()) if record.exists() else None
-            finally:  # and the plugin's scratch copy, if it was killed while writing
-                for path in (record, Path(f"{record}.part")):
+            finally:  # and the plugin's scratch copy, if it was killed while writing,
+                # and the records of subprocesses that outlived their tests
+                for path in (record, Path(f"{record}.part"),
+                             *Path(reads_log.name).parent.glob(
+                                 f"{Path(reads_log.name).name}.child-*")):
                     path.unlink(missing_ok=True)
         return part, reads, coverage
 

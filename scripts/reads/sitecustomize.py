@@ -14,7 +14,9 @@ with this tracker, nor a `git show`/`git archive` of the pristine release
 tag $K3_READS_BASE, nor one of the system probes below given no path in
 the tree. `make test` computes its keys from these lines (scripts/testdeps.py).
 With K3_TESTS_PROFILE set it also starts k3_pertest.py (in this process only),
-which records per test which of the tree's functions ran (scripts/testblocks.py).
+which records per test which of the tree's functions ran (scripts/testblocks.py);
+with K3_TESTS_CHILD set (a test's subprocess), k3_pertest records all this
+process runs for that test.
 """
 
 import os
@@ -217,9 +219,14 @@ def _install() -> None:
         setattr(module, name, recorded(getattr(module, name), kind))
     sys.addaudithook(hook)
     if os.environ.pop("K3_TESTS_PROFILE", None):  # this process only: not its children
+        os.environ.pop("K3_TESTS_CHILD", None)  # it records its own tests, for no one else
         import k3_pertest
 
         k3_pertest.start()
+    elif os.environ.get("K3_TESTS_CHILD"):  # a test's subprocess: recorded for the test
+        import k3_pertest
+
+        k3_pertest.start_child()
 
 
 def _path_functions():

@@ -85,3 +85,60 @@ def test_a_config_that_moved_its_pins_is_reported(tmp_path):
     result = lint.check_linter_versions(*_project(tmp_path, config, LOCK))
     assert not result.ok
     assert "no longer pins pydantic" in result.output
+
+
+def test_a_tethering_pass_is_kept_for_the_same_pipelines_and_tests(tmp_path, monkeypatch):
+    """vLLM's tethering check reads only .buildkite/, tests/ and its own folder:
+    a tree that changed elsewhere (vllm/) reuses its pass; a change there, an
+    edit not committed, or a failure runs it again."""
+    import subprocess
+    import sys
+
+    layout, tree = _project(tmp_path, PRE_COMMIT_CONFIG, LOCK)
+    runs = tmp_path / "runs"
+    files = {".buildkite/test_areas/a.yaml": "steps: []\n", "tests/test_x.py": "",
+             "vllm/x.py": "X = 1\n", "tools/pre_commit/check_test_tethering.py":
+             "import os, sys\nopen(os.environ['RUNS'], 'a').write('run\\n')\n"
+             "sys.exit(os.path.exists('FAIL'))\n"}
+    for path, text in files.items():
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / path).write_text(text)
+
+    def commit():
+        subprocess.run(["git", "add", "-A"], cwd=tree, check=True)
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "commit",
+                        "-qm", "c"], cwd=tree, check=True)
+
+    subprocess.run(["git", "init", "-q"], cwd=tree, check=True)
+    commit()
+    monkeypatch.setenv("RUNS", str(runs))
+    monkeypatch.delenv("K3_CACHE_DIR", raising=False)  # the kept passes: in tmp_path
+
+    class LintVenv:  # its interpreter: this one
+        lock = lint.LINT.lock
+
+        def python(self, layout):
+            return Path(sys.executable)
+
+    monkeypatch.setattr(lint, "LINT", LintVenv())
+    monkeypatch.setattr(lint, "lint_commands", lambda tree, base, python: [(
+        "test tethering", [str(python), "tools/pre_commit/check_test_tethering.py",
+                           "tests/test_x.py"])])
+
+    def tethering_runs() -> tuple[bool, int]:
+        result = lint.run_lints(layout, "base", tree)[-1]
+        return result.ok, len(runs.read_text().splitlines()) if runs.exists() else 0
+
+    assert tethering_runs() == (True, 1)
+    (tree / "vllm" / "x.py").write_text("X = 2\n")
+    commit()
+    assert tethering_runs() == (True, 1)  # kept: nothing it reads changed
+    (tree / "tests" / "test_y.py").write_text("")
+    assert tethering_runs() == (True, 2)  # an edit not committed: run, not kept
+    commit()
+    assert tethering_runs() == (True, 3)
+    (tree / "FAIL").write_text("")
+    (tree / ".buildkite" / "test_areas" / "a.yaml").write_text("steps: [x]\n")
+    commit()
+    assert tethering_runs() == (False, 4)
+    assert tethering_runs() == (False, 5)  # a failure is never kept

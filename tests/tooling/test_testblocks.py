@@ -155,6 +155,28 @@ PACKAGE = {
             pass
 
 
+        def python(code, **kwargs):
+            return subprocess.run([sys.executable, "-c", code], check=True, **kwargs)
+
+
+        def test_in_a_subprocess():
+            python("from pkg import ops\\nops.mul(2, 3)")
+
+
+        def test_in_a_subprocess_of_a_subprocess():
+            python("import subprocess, sys\\n"
+                   "subprocess.run([sys.executable, '-c', 'from pkg import ops; ops.add(1, 1)'],"
+                   " check=True)")
+
+
+        def test_in_a_subprocess_that_leaves_no_record():
+            python("import os\\nfrom pkg import ops\\nops.add(1, 2)\\nos._exit(0)")
+
+
+        def test_in_a_subprocess_without_the_tracker():
+            python("from pkg import ops", env={"PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
+
+
         @pytest.fixture(scope="session")
         def server():
             """A process that runs pkg's code for the tests that ask it."""
@@ -208,7 +230,10 @@ def test_pytest_records_what_each_test_runs(tmp_path):
     record = json.loads(Path(f"{log}.tests.json").read_text())
     tests = {nodeid.split("::")[1]: bucket for nodeid, bucket in record["tests"].items()}
     assert list(tests) == ["test_add", "test_late", "test_thread", "test_source", "test_skipped",
-                           "test_served", "test_handed_to_a_thread"]
+                           "test_in_a_subprocess", "test_in_a_subprocess_of_a_subprocess",
+                           "test_in_a_subprocess_that_leaves_no_record",
+                           "test_in_a_subprocess_without_the_tracker", "test_served",
+                           "test_handed_to_a_thread"]
     assert tests["test_add"]["code"] == {"pkg/ops.py": ["add"],
                                          "tests/test_pkg.py": ["test_add"]}
     # What an import or a module-scoped fixture runs outlives its test: the unit's.
@@ -223,3 +248,14 @@ def test_pytest_records_what_each_test_runs(tmp_path):
     assert tests["test_served"]["whole"] == ["a process started before it still runs"]
     assert "a thread started before it still runs" in tests["test_handed_to_a_thread"]["whole"]
     assert tests["test_add"]["whole"] == tests["test_source"]["whole"] == []
+    # A Python subprocess (and its own) records for the test that started it,
+    # imports included; one that leaves no record, or is not tracked, makes it whole.
+    for name, ran in [("test_in_a_subprocess", "mul"),
+                      ("test_in_a_subprocess_of_a_subprocess", "add")]:
+        assert tests[name]["whole"] == [], name
+        assert tests[name]["code"]["pkg/ops.py"] == ["<module>", ran], name
+        assert tests[name]["code"]["pkg/__init__.py"] == ["<module>"], name
+    assert tests["test_in_a_subprocess_that_leaves_no_record"]["whole"] == [
+        "a subprocess left no record"]
+    assert tests["test_in_a_subprocess_without_the_tracker"]["whole"] == ["runs a subprocess"]
+    assert not list(tmp_path.glob("reads.log.child-*"))  # taken in, and removed
