@@ -62,7 +62,8 @@ _NEVER = frozenset({"build", ".cache", ".venv", ".venv-lint", ".git", "__pycache
 # Environment variables that can change what a test does. (Not all of PYTEST_*:
 # pytest sets PYTEST_CURRENT_TEST itself.)
 _STEERING_PREFIXES = ("VLLM_", "TORCH", "PYTORCH_", "CUDA_", "HIP_", "HSA_", "ROCR_",
-                      "ROCM_", "TRITON_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_")
+                      "ROCM_", "TRITON_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_",
+                      "HUMMING_")
 _STEERING_NAMES = frozenset({"PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTHONHASHSEED",
                              "PYTHONWARNINGS", "PYTHONOPTIMIZE"})
 # The Makefile's own (`make rebase VLLM_VERSION=...`), exported, empty, to every

@@ -78,6 +78,12 @@ ROCM_PLUGIN = ("-p", "rocm_emulation.plugin")
 JOBS_ENV = "K3_TEST_JOBS"
 LOG_TAIL = 40  # lines of a failing command's output shown as it fails
 _VALUED_OPTIONS = frozenset({"-p", "--deselect", "-k", "-m"})  # what the rows pass
+# humming, which vLLM's quantization layers import, starts two Python builds of
+# its CUDA helpers in the background at every import: 9 s of CPU each time a
+# process imports vLLM, for kernels no CPU test loads, and processes that make
+# the tests after them "whole" while they run (scripts/reads/k3_pertest.py).
+# A value in the environment wins (and is in every key: testcache.py).
+QUIET_BUILDS = {"HUMMING_DISABLE_PARALLEL_BUILD": "1"}
 
 
 @dataclass
@@ -491,7 +497,7 @@ def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: P
             servers: ForkServers | None = None) -> Part:
     xml = log.with_suffix(".xml")
     xml.unlink(missing_ok=True)
-    env = {**os.environ, "K3_PROJECT_ROOT": str(layout.root),
+    env = {**QUIET_BUILDS, **os.environ, "K3_PROJECT_ROOT": str(layout.root),
            "PYTHONPATH": os.pathsep.join(str(p) for p in path)}
     if tracked is not None and reads_log is not None:
         env["PYTHONPATH"] = f"{TRACKER_DIR}{os.pathsep}{env['PYTHONPATH']}"

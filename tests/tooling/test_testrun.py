@@ -114,6 +114,24 @@ def test_a_file_that_skips_as_a_whole_is_no_failure(tmp_path):
     assert (part.failed, part.skipped, part.note) == (0, 1, "")
 
 
+def test_pytest_runs_without_humming_background_builds(tmp_path, monkeypatch):
+    """Every vLLM import would start two background builds of humming's CUDA
+    helpers (9 s of CPU); the tests run with them off, unless the user says."""
+    (tmp_path / "test_env.py").write_text(
+        "import os\n\n\ndef test_env():\n"
+        "    assert os.environ['HUMMING_DISABLE_PARALLEL_BUILD'] == os.environ['WANTED']\n")
+    layout = _layout_with_this_python(tmp_path)
+    for given, wanted in [(None, "1"), ("0", "0")]:
+        if given is None:
+            monkeypatch.delenv("HUMMING_DISABLE_PARALLEL_BUILD", raising=False)
+        else:
+            monkeypatch.setenv("HUMMING_DISABLE_PARALLEL_BUILD", given)
+        monkeypatch.setenv("WANTED", wanted)
+        part = testrun._pytest(layout, ["test_env.py"], tmp_path, [tmp_path],
+                               tmp_path / "env.log", None, None)
+        assert (part.passed, part.failed) == (1, 0), (tmp_path / "env.log").read_text()
+
+
 def _real_hadolint() -> Path | None:
     """hadolint from .venv-lint (requirements/lint.lock), or one on PATH."""
     import shutil
