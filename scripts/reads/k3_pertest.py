@@ -192,7 +192,7 @@ def _plain(bucket: dict) -> dict:
 
 
 def _pid(popen):
-    """A Popen's pid once it has forked (a pid stays one); None if it never did."""
+    """A Popen's pid once it has forked (a pid stays one), the Popen until then."""
     return popen if isinstance(popen, int) else getattr(popen, "pid", None) or popen
 
 
@@ -325,7 +325,8 @@ def _wrap_library_imports() -> None:
 
     def exec_module(self, module):
         origin = getattr(getattr(module, "__spec__", None), "origin", None)
-        library = not origin or recorder._relative(os.path.abspath(origin)) is None
+        library = not origin or recorder is None or recorder._relative(
+            os.path.abspath(origin)) is None
         if recorder is None or recorder.library_import == library:
             return original(self, module)
         recorder.flush()
