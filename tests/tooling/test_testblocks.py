@@ -177,6 +177,15 @@ PACKAGE = {
             python("from pkg import ops", env={"PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
 
 
+        def test_in_a_subprocess_that_imports_a_noisy_library():
+            python("import noisy\\nfrom pkg import ops\\nops.add(2, 2)")
+
+
+        def test_in_a_subprocess_that_starts_a_thread():
+            python("import threading\\nfrom pkg import ops\\n"
+                   "t = threading.Thread(target=ops.add, args=(1, 2))\\nt.start()\\nt.join()")
+
+
         @pytest.fixture(scope="session")
         def server():
             """A process that runs pkg's code for the tests that ask it."""
@@ -220,9 +229,16 @@ def test_pytest_records_what_each_test_runs(tmp_path):
     for path, text in PACKAGE.items():
         (tree / path).parent.mkdir(parents=True, exist_ok=True)
         (tree / path).write_text(text)
+    # A library off the tree whose import starts a thread, and a Python that
+    # leaves no record, as opentelemetry's and humming's imports do.
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "noisy.py").write_text(
+        "import subprocess, sys, threading\n"
+        "threading.Thread(target=lambda: None).start()\n"
+        "subprocess.Popen([sys.executable, '-c', 'import os; os._exit(0)']).wait()\n")
     log = tmp_path / "reads.log"
     env = {**os.environ, **tracker_env(log, tree, [], "", per_test=True),
-           "PYTHONPATH": os.pathsep.join([str(TRACKER_DIR), str(tree)])}
+           "PYTHONPATH": os.pathsep.join([str(TRACKER_DIR), str(tree), str(tmp_path / "lib")])}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              "tests/test_pkg.py"], cwd=tree, env=env, capture_output=True,
                             text=True)
@@ -232,7 +248,9 @@ def test_pytest_records_what_each_test_runs(tmp_path):
     assert list(tests) == ["test_add", "test_late", "test_thread", "test_source", "test_skipped",
                            "test_in_a_subprocess", "test_in_a_subprocess_of_a_subprocess",
                            "test_in_a_subprocess_that_leaves_no_record",
-                           "test_in_a_subprocess_without_the_tracker", "test_served",
+                           "test_in_a_subprocess_without_the_tracker",
+                           "test_in_a_subprocess_that_imports_a_noisy_library",
+                           "test_in_a_subprocess_that_starts_a_thread", "test_served",
                            "test_handed_to_a_thread"]
     assert tests["test_add"]["code"] == {"pkg/ops.py": ["add"],
                                          "tests/test_pkg.py": ["test_add"]}
@@ -258,4 +276,8 @@ def test_pytest_records_what_each_test_runs(tmp_path):
     assert tests["test_in_a_subprocess_that_leaves_no_record"]["whole"] == [
         "a subprocess left no record"]
     assert tests["test_in_a_subprocess_without_the_tracker"]["whole"] == ["runs a subprocess"]
+    # What a library's import starts is the library's; what the tree's code starts is not.
+    noisy = tests["test_in_a_subprocess_that_imports_a_noisy_library"]
+    assert noisy["whole"] == [] and "add" in noisy["code"]["pkg/ops.py"]
+    assert tests["test_in_a_subprocess_that_starts_a_thread"]["whole"] == ["starts a thread"]
     assert not list(tmp_path.glob("reads.log.child-*"))  # taken in, and removed
