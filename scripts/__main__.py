@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     gpubench.add_argument("--source", type=Path, default=None,
                           help="vLLM git repository to read (default: build/vllm)")
     gpubench.add_argument("--rev", action="append", default=[], metavar="LABEL=REV",
-                          help="one more tree to time, e.g. before=HEAD~1")
+                          help="one more tree to time, e.g. older=HEAD~1")
+    gpubench.add_argument("--before", default="auto", metavar="REV|auto|none",
+                          help="the tree 'before': the stack at this project commit; auto "
+                          "(default): the previous landed revision of the timed files")
     gpubench.add_argument("--build-only", action="store_true",
                           help="build the package; do not run it")
     clean = sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
@@ -176,7 +179,7 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
         from scripts.gpubench import gpubench
 
         return gpubench(layout, args.case, args.package, args.source, args.rev,
-                        args.build_only)
+                        args.build_only, args.before)
     elif args.command == "clean":
         from scripts.clean import clean, force_typed
 

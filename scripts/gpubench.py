@@ -8,6 +8,14 @@ read with `git show`. vllm.triton_utils and vllm.platforms become stand-ins, so
 the package runs on a GPU machine without vLLM (e.g. an image with an older
 torch), as `python3 build/gpubench/run.py`. If this Python sees a GPU, the
 runner is started right away.
+
+Every package also holds `before`: the previous landed revision of the files
+the cases time. A kernel can beat the release and still be slower than its own
+last revision, so each run compares with both. It is the stack of the newest
+commit of this project (`git log -- patches/`) whose series gives those files
+other contents than `patched`, applied to the release in a scratch index with
+its own object folder (build/vllm is only read); `--before REV` names the
+project commit instead, `--before none` leaves it out.
 """
 
 from __future__ import annotations
@@ -25,10 +33,14 @@ from pathlib import Path, PurePosixPath
 from scripts.common import Layout, StackError, rel, say
 from scripts.gitrepo import git
 from scripts.pin import load_pin
+from scripts.series import apply_to_index, read_series
 
 RUNNER_FILES = ("run.py", "stats.py", "timing.py")
 MANIFEST = "trees.json"
 BASELINE = "pristine"
+BEFORE = "before"
+# Project commits searched for the previous revision of the timed files.
+BEFORE_HISTORY = 100
 # A kernel file with a handful of Triton helpers; more means an import reached
 # the heavy parts of vLLM, which the package cannot hold.
 MAX_MODULES_PER_TREE = 40
@@ -58,8 +70,39 @@ class _Platform:
     def is_cuda_alike(self) -> bool:
         return True
 
+    def fp8_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fnuz if self.is_rocm() else torch.float8_e4m3fn
+
 
 current_platform = _Platform()
+'''
+
+_ROCM_PLATFORM = '''\
+"""Stand-in for vllm.platforms.rocm, written by `python3 -m scripts gpubench`."""
+import torch
+
+
+def _arch() -> str:
+    if torch.version.hip is None:
+        return ""
+    return torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+
+
+def on_gfx942() -> bool:
+    return _arch() == "gfx942"
+
+
+def on_gfx950() -> bool:
+    return _arch() == "gfx950"
+'''
+
+_MEM_UTILS = '''\
+"""Stand-in for vllm.utils.mem_utils, written by `python3 -m scripts gpubench`."""
+import torch
+
+
+def get_max_shared_memory_bytes(gpu: int = 0) -> int:
+    return torch.cuda.get_device_properties(gpu).shared_memory_per_block_optin
 '''
 
 
@@ -76,6 +119,10 @@ STANDINS = {
     "vllm.platforms": StandIn(
         _PLATFORMS, frozenset({"current_platform"}),
         {"current_platform": frozenset({"is_rocm", "is_cuda", "is_cuda_alike"})}),
+    # Imported where a kernel file picks its tiles (vLLM's own queries).
+    "vllm.platforms.rocm": StandIn(_ROCM_PLATFORM, frozenset({"on_gfx942", "on_gfx950"}), {}),
+    "vllm.utils.mem_utils": StandIn(
+        _MEM_UTILS, frozenset({"get_max_shared_memory_bytes"}), {}),
 }
 
 
@@ -83,17 +130,29 @@ STANDINS = {
 class TreeSpec:
     label: str
     rev: str
-    commit: str
+    commit: str  # a commit or a tree of the source repository
+    # Git environment to read it with (the before tree's scratch object folder).
+    git_env: tuple[tuple[str, str], ...] = ()
+
+    def manifest(self) -> dict[str, str]:
+        return {"label": self.label, "rev": self.rev, "commit": self.commit}
 
 
 def gpubench(layout: Layout, cases: list[str] | None, package: Path | None,
-             source: Path | None, revs: list[str], build_only: bool) -> int:
+             source: Path | None, revs: list[str], build_only: bool,
+             before: str = "auto") -> int:
     source = source or layout.tree
     package = package or layout.gpubench_package
     runner = layout.gpu_benchmarks
     trees = resolve_trees(source, load_pin(layout.pin_file).base_tag, revs)
     names = cases or available_cases(runner)
-    build_package(runner, source, trees, names, package)
+    with tempfile.TemporaryDirectory(prefix="k3-gpubench-objects-") as objects:
+        if before != "none" and all(t.label != BEFORE for t in trees):
+            files = sorted({f for name in names for f in case_files(runner, name)})
+            found = landed_before(layout, source, trees, files, Path(objects),
+                                  None if before == "auto" else before)
+            trees[1:1] = [found] if found else []
+        build_package(runner, source, trees, names, package)
     size = sum(p.stat().st_size for p in package.rglob("*") if p.is_file())
     say(f"built {rel(package, layout)} ({size // 1024} KiB): cases {', '.join(names)}; "
         + ", ".join(f"{t.label} = {t.rev} ({t.commit[:12]})" for t in trees))
@@ -137,6 +196,71 @@ def resolve_trees(source: Path, base_tag: str, revs: list[str]) -> list[TreeSpec
                              "name an existing revision")
         trees.append(TreeSpec(label, rev, result.stdout.strip()))
     return trees
+
+
+def landed_before(layout: Layout, source: Path, trees: list[TreeSpec], files: list[str],
+                  objects: Path, wanted: str | None) -> TreeSpec | None:
+    """The tree `before`: the newest landed stack (or the project commit
+    `wanted`) whose `files` differ from the patched tree's; None when the
+    project has no history here or no such revision."""
+    project = layout.root
+    if git(project, "rev-parse", "--git-dir", check=False).returncode != 0:
+        say(f"no tree {BEFORE!r}: {project} is not a git checkout, so the previous "
+            "revision of the timed files is unknown (pass --rev before=REV of build/vllm)")
+        return None
+    if wanted is not None:
+        found = git(project, "rev-parse", "--verify", "--quiet", f"{wanted}^{{commit}}",
+                    check=False)
+        if found.returncode != 0:
+            raise StackError(f"--before {wanted!r}: no such commit of this project; "
+                             "name one from `git log -- patches/`, or pass --before none")
+        commits = [found.stdout.strip()]
+    else:
+        commits = git(project, "log", f"-{BEFORE_HISTORY}", "--format=%H", "HEAD",
+                      "--", "patches/").stdout.split()
+    env = {"GIT_OBJECT_DIRECTORY": str(objects),
+           "GIT_ALTERNATE_OBJECT_DIRECTORIES": str((source / ".git" / "objects").resolve())}
+    pristine, patched = trees[0], next(t for t in trees if t.label == "patched")
+    current = _timed_sources(source, patched, files)
+    for commit in commits:
+        tree = _stack_at(project, commit, source, pristine.commit, env)
+        if tree is None:
+            continue
+        candidate = TreeSpec(BEFORE, f"project {commit[:9]}", tree, tuple(env.items()))
+        if wanted or _timed_sources(source, candidate, files) != current:
+            return candidate
+    say(f"no tree {BEFORE!r}: none of the last {len(commits)} project commits that changed "
+        f"patches/ has other sources for {', '.join(files)} and what they import")
+    return None
+
+
+def _stack_at(project: Path, commit: str, source: Path, base: str,
+              env: dict[str, str]) -> str | None:
+    """The tree of the project's stack at `commit` applied to `base`, or None
+    (said) where it does not apply."""
+    with tempfile.TemporaryDirectory(prefix="k3-gpubench-patches-") as scratch:
+        folder = Path(scratch) / "patches"
+        folder.mkdir()
+        listed = git(project, "ls-tree", "--name-only", commit, "patches/").stdout.split()
+        for path in listed:
+            data = git(project, "show", f"{commit}:{path}", text=False).stdout
+            (folder / PurePosixPath(path).name).write_bytes(data)
+        try:
+            patches = read_series(Layout(Path(scratch)))
+        except StackError as e:
+            say(f"project commit {commit[:9]}: its patches/ cannot be read ({e}); skipped")
+            return None
+        applied = apply_to_index(source, base, patches, env)
+    if applied.tree is None:
+        say(f"project commit {commit[:9]}: its stack does not apply to the release; skipped")
+    return applied.tree
+
+
+def _timed_sources(source: Path, tree: TreeSpec, files: list[str]) -> dict[str, str]:
+    """What the package would hold of `tree`: the files it has and the vllm
+    modules they import."""
+    tracked = _tracked_files(source, tree)
+    return collect_modules(source, tree, tracked, [f for f in files if f in tracked])
 
 
 def case_files(runner: Path, name: str) -> tuple[str, ...]:
@@ -184,7 +308,7 @@ def build_package(runner: Path, source: Path, trees: list[TreeSpec], cases: list
         for name in cases:
             shutil.copy2(runner / "cases" / f"{name}.py", staging / "cases")
         manifest = {"cases": cases, "source": str(source),
-                    "trees": [t.__dict__ for t in trees]}
+                    "trees": [t.manifest() for t in trees]}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
         if size > MAX_PACKAGE_BYTES:
@@ -208,12 +332,14 @@ def _refuse_foreign_folder(package: Path) -> None:
 
 
 def _tracked_files(source: Path, tree: TreeSpec) -> set[str]:
-    out = git(source, "ls-tree", "-r", "--name-only", tree.commit, "--", "vllm").stdout
+    out = git(source, "ls-tree", "-r", "--name-only", tree.commit, "--", "vllm",
+              env=dict(tree.git_env)).stdout
     return set(out.splitlines())
 
 
 def _show(source: Path, tree: TreeSpec, path: str) -> str:
-    data = git(source, "show", f"{tree.commit}:{path}", text=False).stdout
+    data = git(source, "show", f"{tree.commit}:{path}", text=False,
+               env=dict(tree.git_env)).stdout
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

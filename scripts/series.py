@@ -191,16 +191,18 @@ class IndexApply:
     special: list[str] = field(default_factory=list)  # symlinks, submodules made
 
 
-def apply_to_index(repo: Path, base: str, patches: list[Patch]) -> IndexApply:
+def apply_to_index(repo: Path, base: str, patches: list[Patch],
+                   git_env: dict[str, str] | None = None) -> IndexApply:
     """Apply `patches` strictly, in order, to `base` of `repo` in a scratch index.
 
     What each patch creates is read from the tree git builds, not from the
     patch text: git accepts many spellings of a mode (`0120000`, `120644`),
-    and what it writes is what counts.
+    and what it writes is what counts. `git_env` may send the objects git
+    writes to a folder of their own (GIT_OBJECT_DIRECTORY).
     """
     fd, index = tempfile.mkstemp(prefix="k3-scratch-index-")
     os.close(fd)
-    env = {"GIT_INDEX_FILE": index}
+    env = {**(git_env or {}), "GIT_INDEX_FILE": index}
     result = IndexApply()
     try:
         git(repo, "read-tree", base, env=env)
@@ -213,7 +215,7 @@ def apply_to_index(repo: Path, base: str, patches: list[Patch]) -> IndexApply:
                                   f"patches before it:\n{applied.stderr.strip()}")
                 return result
             after = git(repo, "write-tree", env=env).stdout.strip()
-            result.special += _special_files(repo, p, tree, after)
+            result.special += _special_files(repo, p, tree, after, env)
             tree = after
         result.tree = tree
         return result
@@ -221,9 +223,11 @@ def apply_to_index(repo: Path, base: str, patches: list[Patch]) -> IndexApply:
         os.unlink(index)
 
 
-def _special_files(repo: Path, patch: Patch, before: str, after: str) -> list[str]:
+def _special_files(repo: Path, patch: Patch, before: str, after: str,
+                   env: dict[str, str]) -> list[str]:
     # -z: ":<old mode> <new mode> <old id> <new id> <status>" NUL "<path>" NUL ...
-    fields = git(repo, "diff-tree", "-r", "-z", "--no-renames", before, after).stdout.split("\0")
+    fields = git(repo, "diff-tree", "-r", "-z", "--no-renames", before, after,
+                 env=env).stdout.split("\0")
     problems = []
     for meta, path in zip(fields[0::2], fields[1::2]):
         mode = meta.split()[1]

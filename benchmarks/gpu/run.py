@@ -72,6 +72,17 @@ class Tree:
         with self._active():
             return importlib.import_module(name)
 
+    def load_copy(self, name: str) -> ModuleType:
+        """A copy of module `name` of its own (its imports are the tree's
+        shared modules), so that a variant can change one copy."""
+        with self._active():
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                raise ModuleNotFoundError(f"no module {name} in tree {self.label}", name=name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+
     @contextmanager
     def _active(self) -> Iterator[None]:
         # Every tree is the package `vllm`: swap the modules of the others out.

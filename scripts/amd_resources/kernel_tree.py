@@ -126,7 +126,15 @@ def _standins(arch: Arch) -> dict[str, types.ModuleType]:
     exec(STANDINS["vllm.triton_utils"].source, triton_utils.__dict__)
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = _RocmPlatform(arch)
-    return {"vllm.triton_utils": triton_utils, "vllm.platforms": platforms}
+    platforms.__path__ = []  # a package: vllm.platforms.rocm is below it
+    # vLLM's own arch and shared-memory queries, as the kernel files ask them.
+    rocm = types.ModuleType("vllm.platforms.rocm")
+    rocm.on_gfx942 = lambda: arch.name == "gfx942"
+    rocm.on_gfx950 = lambda: arch.name == "gfx950"
+    mem_utils = types.ModuleType("vllm.utils.mem_utils")
+    mem_utils.get_max_shared_memory_bytes = lambda gpu=0: arch.lds_bytes
+    return {"vllm.triton_utils": triton_utils, "vllm.platforms": platforms,
+            "vllm.platforms.rocm": rocm, "vllm.utils.mem_utils": mem_utils}
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from scripts.amd_resources.kernel_tree import Launch, record_launches
 from scripts.amd_resources.targets import Arch
 
 DECODE_ATTENTION = "vllm.v1.attention.ops.triton_decode_attention"
+BLOCK_DECODE = "vllm.v1.attention.ops.triton_mla_block_decode"
 TRITON_MLA = "vllm/v1/attention/backends/mla/triton_mla.py"
 REJECTION_SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"
 
@@ -38,6 +39,10 @@ PAGE_SIZES = (16, 64)
 # Graphs are captured at max_model_len with a padded batch, and the split
 # count chosen then is replayed (issue 18, section 2).
 CAPTURE_REQUESTS = 16
+# The block path at other batch sizes too: Triton specializes an integer
+# argument equal to 1 or divisible by 16, so 1, 3 and 16 requests compile every
+# variant any batch size gets (the kernels take no constexpr from it).
+BLOCK_BATCH_SIZES = (1, 3, CAPTURE_REQUESTS)
 MAX_MODEL_LEN = 131072
 # Triton's AMD backend turns loads into buffer loads only for a tensor whose
 # storage is under 2 GiB. vLLM's per-layer KV cache is either, by GPU memory
@@ -78,7 +83,7 @@ def flat_split_count(tree: Path) -> Callable[[int, int], int]:
                  and all(isinstance(t, ast.Name) and t.id in wanted for t in node.targets)]
     if not body:
         raise LookupError(f"{path}: no _compute_num_kv_splits (forward_mqa's split count)")
-    namespace = {"triton": triton}
+    namespace = {"triton": triton, "next_power_of_2": triton.next_power_of_2}
     exec(compile(ast.Module(constants + body, type_ignores=[]), str(path), "exec"), namespace)
     return namespace["_compute_num_kv_splits"]
 
@@ -87,24 +92,25 @@ def attention_launches(load, tree: Path, arch: Arch, shapes: Iterable[dict] | No
                        paths: tuple[str, ...] = ("block", "flat")) -> list[Launch]:
     """Block path and flat path, as forward_mqa launches them, for every shape
     (default: every production shape)."""
-    ops = load(DECODE_ATTENTION)
+    ops = {"flat": load(DECODE_ATTENTION), "block": load(BLOCK_DECODE)}
     flat_splits = flat_split_count(tree)(MAX_MODEL_LEN, arch.compute_units)
     launches = []
     for shape in attention_shapes(arch) if shapes is None else shapes:
         for path in paths:
-            with record_launches() as recorded:
-                _forward_mqa(ops, path, shape, flat_splits, arch)
-            for launch in recorded:
-                launch.shape = {**shape, "path": path}
-            launches += recorded
+            for reqs in BLOCK_BATCH_SIZES if path == "block" else (CAPTURE_REQUESTS,):
+                with record_launches() as recorded:
+                    _forward_mqa(ops[path], path, shape, flat_splits, arch, reqs)
+                for launch in recorded:
+                    launch.shape = {**shape, "path": path}
+                launches += recorded
     return launches
 
 
-def _forward_mqa(ops, path: str, shape: dict, flat_splits: int, arch: Arch) -> None:
+def _forward_mqa(ops, path: str, shape: dict, flat_splits: int, arch: Arch,
+                 reqs: int = CAPTURE_REQUESTS) -> None:
     """The attention call of TritonMLAImpl.forward_mqa (backends/mla/triton_mla.py)
-    on one of its two paths, for a captured batch at `shape`."""
-    reqs, query_len, heads, page = (CAPTURE_REQUESTS, shape["query_len"], shape["heads"],
-                                    shape["page"])
+    on one of its two paths, for a captured batch of `reqs` requests at `shape`."""
+    query_len, heads, page = shape["query_len"], shape["heads"], shape["page"]
     rows, width = reqs * query_len, KV_LORA_RANK + ROPE_DIM
     dtype = kv_dtypes(arch)[shape["kv"]]
     num_pages = KV_STORAGE_BYTES[shape["kv_storage"]] // (page * width * dtype.itemsize)

@@ -125,7 +125,8 @@ def test_package_holds_each_tree_with_the_stand_ins(bench_project):
         # triton_utils and platforms) nor the real package __init__.
         assert files == ["__init__.py", "kernels/__init__.py", "kernels/add.py",
                          "kernels/helpers.py", "platforms/__init__.py",
-                         "triton_utils/__init__.py"]
+                         "platforms/rocm/__init__.py", "triton_utils/__init__.py",
+                         "utils/__init__.py", "utils/mem_utils/__init__.py"]
         assert (vllm / "kernels" / "add.py").read_text() == ADD
         assert (vllm / "kernels" / "helpers.py").read_text() == f"BLOCK = {block}\n"
         assert (vllm / "kernels" / "__init__.py").read_text() == ""
@@ -152,6 +153,84 @@ def test_more_trees_by_revision_and_another_source(bench_project, tmp_path):
     helpers = package / "trees" / "before" / "vllm" / "kernels" / "helpers.py"
     assert helpers.read_text() == "BLOCK = 32\n"
     assert not package_of(bench_project).exists()
+
+
+def _land(project, subject: str) -> str:
+    """Export build/vllm to patches/ and commit them in the project (a landing)."""
+    project.ok("patches")
+    project.git("add", "patches", "pin.toml", cwd=project.root)
+    project.git("commit", "-q", "-m", subject, cwd=project.root)
+    return project.git("rev-parse", "HEAD", cwd=project.root)
+
+
+def _helpers(package: Path, tree: str) -> str:
+    return (package / "trees" / tree / "vllm" / "kernels" / "helpers.py").read_text()
+
+
+def test_before_is_the_previous_landed_revision_of_the_timed_files(bench_project):
+    """Every package carries `before`: the newest landed stack whose timed
+    files differ from patched's, rebuilt from the project's history (the
+    working stack may be ahead of it, or equal to what landed last)."""
+    bench_project.git("init", "-q", cwd=bench_project.root)
+    first = _land(bench_project, "Stack: shift by 32")
+    bench_project.commit("[Kernel] Shift by 64", {"vllm/kernels/helpers.py": "BLOCK = 64\n"})
+    package = package_of(bench_project)
+
+    result = build(bench_project)  # the stack is ahead of what landed
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((package / "trees.json").read_text())
+    assert [(t["label"], t["rev"]) for t in manifest["trees"]] == [
+        ("pristine", f"vllm-{V1}"), ("before", f"project {first[:9]}"), ("patched", "HEAD")]
+    assert (_helpers(package, "before"), _helpers(package, "patched")) == (
+        "BLOCK = 32\n", "BLOCK = 64\n")
+
+    _land(bench_project, "Stack: shift by 64")
+    bench_project.git("commit", "-q", "--allow-empty", "-m", "Docs", cwd=bench_project.root)
+    assert build(bench_project).returncode == 0  # landed: the revision before it
+    assert _helpers(package, "before") == "BLOCK = 32\n"
+
+    assert build(bench_project, "--before", "none").returncode == 0
+    assert not (package / "trees" / "before").exists()
+    objects = bench_project.git("count-objects")
+    assert build(bench_project, "--before", first).returncode == 0
+    assert _helpers(package, "before") == "BLOCK = 32\n"
+    # Its stack was applied with objects of its own: build/vllm is only read.
+    assert bench_project.git("count-objects") == objects
+    result = build(bench_project, "--before", "nope")
+    assert result.returncode == 1
+    assert "--before 'nope': no such commit of this project" in result.stderr
+
+
+def test_without_history_there_is_no_before_tree_and_it_says_why(bench_project):
+    result = build(bench_project)
+    assert result.returncode == 0, result.stderr
+    assert "no tree 'before'" in result.stdout and "not a git checkout" in result.stdout
+
+
+def test_the_case_entry_loads_each_tree_from_its_own_files(bench_project, tmp_path):
+    """`python3 build/gpubench/cases/mla_decode.py` (the runbook's kernels
+    step) loads each tree's kernel module through `load_tree`: each must import
+    its own tree's modules, also one that the first tree lacks."""
+    pytest.importorskip("torch")
+    bench_project.commit("[Kernel] Shift from a new module", {
+        "vllm/kernels/shift.py": "SHIFT = 7\n",
+        "vllm/kernels/helpers.py": "from vllm.kernels.shift import SHIFT\n\nBLOCK = 32 + SHIFT\n",
+    })
+    assert build(bench_project, "--rev", "older=HEAD~1").returncode == 0
+    package = package_of(bench_project)
+    shutil.copy2(RUNNER / "cases" / "mla_decode.py", package / "cases")
+    script = textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, "cases")
+        import mla_decode
+        for tree in json.load(open("trees.json"))["trees"]:
+            load = mla_decode.load_tree(tree["label"])
+            print(tree["label"], load("vllm.kernels.helpers").BLOCK)
+    """)
+    result = subprocess.run([PYTHON, "-c", script], cwd=package, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["pristine", "16", "patched", "39", "older", "32"]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -30,7 +30,7 @@ STAGE1 = "_fwd_mla_block_kernel_stage1"
 # What the wrappers of patches 6 and 7 launch (with draft logits and one-hot
 # drafts, standard and block verification).
 STACK_KERNELS = {
-    STAGE1, "_fwd_mla_block_kernel_stage2",
+    STAGE1, "_fwd_mla_block_kernel_stage2", "_mla_block_plan_kernel",
     "_compute_local_logits_stats_kernel", "_compute_cumulative_log_p_kernel",
     "_compute_local_residual_mass_kernel", "_rejection_kernel", "_resample_kernel",
     "_insert_resampled_kernel",

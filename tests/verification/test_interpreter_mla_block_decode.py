@@ -1,6 +1,6 @@
 """Patch 7's block decode equals the flattened decode, in Triton's interpreter.
 
-``decode_attention_fwd_mla_block`` (vllm/v1/attention/ops/triton_decode_attention.py)
+``decode_attention_fwd_mla_block`` (vllm/v1/attention/ops/triton_mla_block_decode.py)
 decodes a request's ``query_len`` draft tokens together. vLLM's own test
 (tests/kernels/attention/test_triton_mla_block_decode.py) checks it against
 ``decode_attention_fwd`` on the block flattened to one row per token, compiled
@@ -12,7 +12,7 @@ machine run what no single GPU does:
   with the platform's device properties emulated (the tile tables are read
   from the module, and a test checks that each one is run);
 - the device-side split sizing pushed hard: few SMs and a small
-  ``_MLA_BLOCK_MIN_SPLIT_TOKENS`` so short contexts take many splits, a
+  ``_MIN_SPLIT_TOKENS`` so short contexts take many splits, a
   scratch bound below what a request wants, batches of several waves,
   graph-style bounds planned for max_model_len, all-padding batches;
 - bf16, fp16, e4m3fn and MI300's e4m3fnuz caches, pages of 1, 16 and 64,
@@ -66,6 +66,9 @@ class Case:
     min_split_tokens: int = 16
     max_kv_splits: int = 64
     planned_len: int | None = None
+    # Requests the split plan reads at a time (the kernels loop over larger
+    # batches).
+    req_chunk: int = 64
     # What the case is there to reach (checked from the scratch): the most
     # splits a request takes, at least; that request held to the scratch
     # bound; more busy programs than one wave of the GPU.
@@ -118,12 +121,12 @@ CASES = [
     # 7 requests with KV on 2 slots: 7 waves, ragged splits, padding between.
     Case(
         "several-waves", ROCM, 2, 8, (150, 0, 33, 400, 7, 90, 260, 1), 16, E4M3FNUZ,
-        num_sms=2, min_most_splits=3, several_waves=True,
+        num_sms=2, min_most_splits=3, several_waves=True, req_chunk=2,
     ),
     # Busy programs first over requests of several splits each.
     Case(
         "ragged-multi-split", SMALL_SMEM, 2, 8, (300, 0, 17, 250, 0, 64), 16,
-        E4M3FN, num_sms=4, min_most_splits=2,
+        E4M3FN, num_sms=4, min_most_splits=2, req_chunk=4,
     ),
     # Scratch planned for max_model_len, as captured, replayed over a short
     # batch (most splits idle) and one long request (most splits busy).
@@ -170,13 +173,12 @@ def _platform_tiles(ops, platform: str, picked: list):
     def pick(rows, kv_dtype, device):
         with ExitStack() as emulated:
             if platform in (ROCM, ROCM_950):
-                emulated.enter_context(patch.object(ops, "is_hip_", True))
-                tiles = ops._MLA_BLOCK_TILES_ROCM[platform]
-                emulated.enter_context(patch.object(ops, "_rocm_tiles", lambda: tiles))
+                emulated.enter_context(patch.object(ops, "_IS_HIP", True))
+                emulated.enter_context(patch.object(ops, "_rocm_arch", lambda: platform))
             else:
                 smem = ops._LARGE_SMEM_BYTES if platform == LARGE_SMEM else SMALL_SMEM_BYTES
                 emulated.enter_context(
-                    patch.object(ops, "_max_shared_memory", lambda index: smem)
+                    patch.object(ops, "get_max_shared_memory_bytes", lambda index: smem)
                 )
                 device = torch.device("cuda", 0)
             tile = original(rows, kv_dtype, device)
@@ -193,7 +195,8 @@ def _scratch(q: torch.Tensor, num_kv_splits: int, lv: int) -> torch.Tensor:
 def _decode_both_ways(case: Case) -> dict:
     """In a worker: the block kernel's (o, lse), sized as forward_mqa sizes
     it, the flattened decode's, the tile and the splits each request took."""
-    from vllm.v1.attention.ops import triton_decode_attention as ops
+    from vllm.v1.attention.ops import triton_decode_attention as flat
+    from vllm.v1.attention.ops import triton_mla_block_decode as ops
 
     x = _inputs(case)
     q, kv_cache = x["q"], x["kv_cache"]
@@ -202,7 +205,8 @@ def _decode_both_ways(case: Case) -> dict:
     picked: list[tuple] = []
     with (
         patch.object(ops, "_mla_block_tile", _platform_tiles(ops, case.platform, picked)),
-        patch.object(ops, "_MLA_BLOCK_MIN_SPLIT_TOKENS", case.min_split_tokens),
+        patch.object(ops, "_MIN_SPLIT_TOKENS", case.min_split_tokens),
+        patch.object(ops, "_REQ_CHUNK", case.req_chunk),
     ):
         num_kv_splits = ops.mla_block_decode_num_kv_splits(
             q,
@@ -234,7 +238,7 @@ def _decode_both_ways(case: Case) -> dict:
     splits_taken = (~first_rows[..., lv].isnan()).sum(-1)
 
     flat_o, flat_lse = q.new_zeros(o.shape), q.new_zeros(lse.shape)
-    ops.decode_attention_fwd(
+    flat.decode_attention_fwd(
         q,
         kv_cache,
         kv_cache[..., :lv],
@@ -265,12 +269,12 @@ def _decode_both_ways(case: Case) -> dict:
 
 def _module_tiles(_: None) -> list[tuple]:
     """In a worker: every tile in the module's tables."""
-    from vllm.v1.attention.ops import triton_decode_attention as ops
+    from vllm.v1.attention.ops import triton_mla_block_decode as ops
 
     tiles = [
-        *ops._MLA_BLOCK_TILES_LARGE_SMEM.values(),
-        ops._MLA_BLOCK_TILE_SMALL_SMEM,
-        *(tile for row in ops._MLA_BLOCK_TILES_ROCM.values() for tile in row.values()),
+        *ops._TILES_LARGE_SMEM.values(),
+        ops._TILE_SMALL_SMEM,
+        *(tile for row in ops._TILES_ROCM.values() for tile in row.values()),
     ]
     return [dataclasses.astuple(tile) for tile in tiles]
 

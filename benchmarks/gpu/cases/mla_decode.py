@@ -36,7 +36,6 @@ vllm.platforms):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import math
 import random
@@ -46,8 +45,13 @@ from pathlib import Path
 
 import torch
 
-FILES = ("vllm/v1/attention/ops/triton_decode_attention.py",)
-OPS = "vllm.v1.attention.ops.triton_decode_attention"
+FILES = (
+    "vllm/v1/attention/ops/triton_decode_attention.py",
+    "vllm/v1/attention/ops/triton_mla_block_decode.py",
+)
+OPS = "vllm.v1.attention.ops.triton_decode_attention"  # the flat path
+# The block kernel; revisions before it had a module of its own kept it in OPS.
+BLOCK_OPS = "vllm.v1.attention.ops.triton_mla_block_decode"
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -195,7 +199,11 @@ def scratch(x: dict, splits: int) -> torch.Tensor:
 def bind(load):
     """forward_mqa of the tree, from the allocation of its outputs on."""
     ops = load(OPS)
-    block_decode = getattr(ops, "decode_attention_fwd_mla_block", None)
+    try:
+        block_ops = load(BLOCK_OPS)
+    except ModuleNotFoundError:
+        block_ops = ops
+    block_decode = getattr(block_ops, "decode_attention_fwd_mla_block", None)
     takes_sms = block_decode is not None and (
         "num_sms" in inspect.signature(block_decode).parameters
     )
@@ -208,7 +216,7 @@ def bind(load):
         num_reqs, sm_count = seq_lens.shape[0], x["sm_count"]
         query_len = q.shape[0] // num_reqs
         if block_decode is not None and query_len > 1:
-            splits = ops.mla_block_decode_num_kv_splits(
+            splits = block_ops.mla_block_decode_num_kv_splits(
                 q,
                 kv_cache,
                 num_reqs,
@@ -249,7 +257,7 @@ def bind(load):
         )
         return o, lse
 
-    call.ops = ops
+    call.ops = block_ops
     return call
 
 
@@ -301,7 +309,7 @@ HERE = Path(__file__).resolve().parent
 # ROCm: the tiles that compile for gfx942 and gfx950 without spills within the
 # LDS (python -m scripts.amd_resources --sweep); NVIDIA: the 64-row entries.
 if torch.version.hip:
-    SWEEP_TABLE = "for row in _MLA_BLOCK_TILES_ROCM.values(): row[{fp8}] = {tile}"
+    SWEEP_TABLE = "for row in _TILES_ROCM.values(): row[{fp8}] = {tile}"
     SWEEP_TILES = {
         False: ("64, 16, 8, 1", "64, 16, 8, 2", "32, 16, 8, 2",
                 "32, 16, 4, 1, waves_per_eu=1"),
@@ -309,7 +317,7 @@ if torch.version.hip:
                "64, 16, 8, 2"),
     }
 else:
-    SWEEP_TABLE = "_MLA_BLOCK_TILES_LARGE_SMEM[(64, {fp8})] = {tile}"
+    SWEEP_TABLE = "_TILES_LARGE_SMEM[(64, {fp8})] = {tile}"
     SWEEP_TILES = {
         False: ("64, 64, 8, 2", "64, 32, 8, 3", "64, 64, 8, 1"),
         True: ("64, 128, 8, 1", "64, 64, 8, 2, reload_fp8_v=True", "64, 64, 8, 1"),
@@ -330,40 +338,38 @@ SWEEP_SHAPES = ("16 x 32k&q5 h8 ", "16 ragged&q5 h8 ", "1 x 32k&q5 h8 ",
                 "16 x 32k&q6 h16", "16 x 32k&q7 h64")
 
 
+# The runner's folder: this file sits in its cases/ (build/gpubench/cases/).
+RUNNER = HERE.parent
+TREES = RUNNER / "trees"
+
+
 def load_tree(label: str):
-    """load(name) of one tree, for the kernel file only: every call makes a
-    module of its own (so variants can change one copy); the
-    vllm.triton_utils/platforms stand-ins are shared. The trees sit next to
-    this file, or next to the runner's cases/ folder."""
-    trees = HERE / "trees" if (HERE / "trees").is_dir() else HERE.parent / "trees"
-    root = trees / label
-    if str(root) not in sys.path:
-        sys.path.append(str(root))  # the stand-ins, identical in every tree
+    """load(name) of one tree: every call makes a module of its own (so
+    variants can change one copy), importing that tree's vllm modules
+    (run.py's Tree), whatever the other trees hold."""
+    if str(RUNNER) not in sys.path:
+        sys.path.insert(0, str(RUNNER))
+    from run import Tree
 
-    def load(name: str):
-        path = root / (name.replace(".", "/") + ".py")
-        spec = importlib.util.spec_from_file_location(f"{label}_{name}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return load
+    return Tree(label, TREES / label).load_copy
 
 
-def other_trees() -> list[str]:
-    trees = HERE / "trees" if (HERE / "trees").is_dir() else HERE.parent / "trees"
-    return sorted(p.name for p in trees.iterdir()
-                  if p.is_dir() and p.name not in ("pristine", "patched"))
+def tree_labels() -> list[str]:
+    """The package's trees in the manifest's order (pristine, before,
+    patched, then any --rev)."""
+    import json
+
+    return [t["label"] for t in json.loads((RUNNER / "trees.json").read_text())["trees"]]
 
 
 def variant(label: str, spec: str):
     """(name, call) of `NAME:STATEMENT`: the tree's kernel module with the
-    statement run in it, e.g. 'w1:_MLA_BLOCK_WAVES = 1'."""
+    statement run in it, e.g. 'm64:_MIN_SPLIT_TOKENS = 64'."""
     name, _, statement = spec.partition(":")
-    module = load_tree(label)(OPS)
+    load = load_tree(label)
+    module = load(BLOCK_OPS)
     exec(statement, vars(module))  # noqa: S102 - the user's own command line
-    return name, bind(lambda _name: module)
+    return name, bind(lambda wanted: module if wanted == BLOCK_OPS else load(wanted))
 
 
 def median_ms(fn, repeats: int = 20) -> float:
@@ -436,9 +442,11 @@ def time_calls(calls: dict, sets: list[dict], repeats: int) -> dict[str, list[fl
 
 
 def run_shape(shape: dict, calls: dict, bandwidth: float, peak: float, repeats: int,
-              medians: dict | None = None) -> str:
+              results: dict | None = None) -> str:
     """One table line: the flat path's ms, then per other call its ms,
-    speed-up and % of the bound; the bound; each call's output check."""
+    speed-up and % of the bound (patched also its time over before's,
+    replay by replay); the bound; each call's output check. `results` gets
+    the shape's medians and bound, for the summary."""
     device = torch.device("cuda")
     sets = input_sets(shape, device)
     out_flat = calls["pristine"](sets[0])
@@ -459,23 +467,71 @@ def run_shape(shape: dict, calls: dict, bandwidth: float, peak: float, repeats: 
         ok = same_output(out, out_flat)
         checks.append(f"{name} {'ok' if ok else 'MISMATCH'} o {d_o:.1e} lse {d_lse:.1e}")
     times = time_calls(working, sets, repeats)
-    if medians is not None:
-        medians[shape["name"]] = {n: statistics.median(t) for n, t in times.items()}
     nbytes, flops = roofline(shape)
     t_mem, t_flop = nbytes / bandwidth * 1e3, flops / peak * 1e3
     bound, kind = max((t_mem, "mem"), (t_flop, "flop"))
-    base = statistics.median(times["pristine"])
-    cells = [f"{shape['name']:<36}", f"{base:8.3f}"]
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    if results is not None:
+        results[shape["name"]] = {"shape": shape, "ms": medians, "bound": bound}
+    cells = [f"{shape['name']:<36}", f"{medians['pristine']:8.3f}"]
     for name in working:
         if name == "pristine":
             continue
-        t = statistics.median(times[name])
+        t = medians[name]
         ratio = statistics.median(b / n for b, n in zip(times["pristine"], times[name]))
-        cells += [f"{name:>8} {t:8.3f} {ratio:5.2f}x {100 * bound / t:5.1f}%"]
+        cell = f"{name:>8} {t:8.3f} {ratio:5.2f}x {100 * bound / t:5.1f}%"
+        if name == "patched" and "before" in times:
+            vs = statistics.median(p / b for p, b in zip(times[name], times["before"]))
+            cell += f" {vs:5.2f}/before"
+        cells.append(cell)
     cells += [f"{bound:7.3f} {kind:<4}", "; ".join(checks)]
     del sets
     torch.cuda.empty_cache()
     return "  ".join(cells)
+
+
+def _span(values: list[float], fmt: str = "{:.2f}") -> str:
+    return f"{fmt.format(min(values))}-{fmt.format(max(values))}" if values else "-"
+
+
+def summary(results: dict, trees: list[str]) -> list[str]:
+    """What the kernel's goals ask of `patched`, over the block shapes
+    (query_len > 1): its time against each other tree's and against the
+    envelope (the best of the trees but pristine: before and any --rev; not
+    the --variant copies), its speed-up over flat at >= 16k context, fp8
+    against bf16 at the same shape, and % of the bound per head count."""
+    block = {n: r for n, r in results.items()
+             if r["shape"]["query_len"] > 1 and "patched" in r["ms"]}
+    lines = []
+    others = [t for t in trees if t not in ("pristine", "patched")]
+    for label in [*others, "envelope"] if len(others) > 1 else others:
+        ratio = {n: r["ms"]["patched"] / (r["ms"][label] if label != "envelope" else
+                                          min(r["ms"][o] for o in others if o in r["ms"]))
+                 for n, r in block.items() if label == "envelope" or label in r["ms"]}
+        worst = sorted(ratio, key=ratio.get, reverse=True)[:5]
+        lines.append(f"patched / {label}: {_span(list(ratio.values()))} over {len(ratio)} "
+                     f"shapes, slower (> 1.03) at {sum(v > 1.03 for v in ratio.values())}; "
+                     "worst: " + ", ".join(f"{n.strip()} {ratio[n]:.2f}" for n in worst))
+    for label in ["patched", *others]:
+        long = [r["ms"]["pristine"] / r["ms"][label] for r in block.values()
+                if label in r["ms"] and max(r["shape"]["lens"]) >= 16384]
+        lines.append(f"{label} over flat at >= 16k context: {_span(long)}x over "
+                     f"{len(long)} shapes, {sum(v < 3 for v in long)} under 3x")
+    pairs = [(r["ms"]["patched"], results[n.replace("fp8 ", "bf16")]["ms"]["patched"])
+             for n, r in block.items() if r["shape"]["kv_dtype"] == "fp8"
+             and n.replace("fp8 ", "bf16") in results]
+    lines.append(f"patched fp8 / bf16 at the same shape: {_span([f / b for f, b in pairs])} "
+                 f"over {len(pairs)} pairs, fp8 slower (> 1.03) at "
+                 f"{sum(f / b > 1.03 for f, b in pairs)}")
+    for heads in sorted({r["shape"]["num_heads"] for r in block.values()}):
+        for kv in ("bf16", "fp8"):
+            pct = [100 * r["bound"] / r["ms"]["patched"] for r in block.values()
+                   if r["shape"]["num_heads"] == heads and r["shape"]["kv_dtype"] == kv
+                   and max(r["shape"]["lens"]) >= 16384]
+            if pct:
+                lines.append(f"patched % of bound, {heads} heads, {kv}, >= 16k: "
+                             f"{_span(pct, '{:.1f}')}")
+    return lines
 
 
 def kernel_resources(ops) -> list[str]:
@@ -590,8 +646,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return 0 if check_ragged(pristine, patched) else 1
     calls = {"pristine": pristine, "patched": patched}
-    # Other trees of the package (gpubench --rev LABEL=REV), by label.
-    calls.update((label, bind(load_tree(label))) for label in other_trees())
+    # The other trees of the package: before (the previous landed revision)
+    # and any gpubench --rev LABEL=REV.
+    calls.update((label, bind(load_tree(label))) for label in tree_labels()
+                 if label not in calls)
     specs = list(args.variant) + (sweep_variants() if args.sweep else [])
     calls.update(variant("patched", spec) for spec in specs)
     shapes = PRODUCTION_SHAPES if args.regime == "production" else PER_STEP_SHAPES
@@ -603,12 +661,16 @@ def main(argv: list[str] | None = None) -> int:
              else "each shape's longest context"))
     print("shape                                 flat ms  [tree  ms  speed-up  "
           "% of bound]  bound ms  check (vs flat, max |diff|)", flush=True)
-    medians: dict = {}
+    results: dict = {}
     for shape in shapes:
         line = run_shape(shape, calls_for(shape, calls), bandwidth, peak,
-                         args.repeats, medians)
+                         args.repeats, results)
+        print(line, flush=True)
+    print()
+    for line in summary(results, tree_labels()):
         print(line, flush=True)
     if args.sweep:
+        medians = {name: r["ms"] for name, r in results.items()}
         for kv, (tile, best, shipped) in best_tiles(medians).items():
             # One line per KV dtype, read by the hardware runbook's report.
             print(f"best tile {arch.split(':')[0] or 'cuda'} {kv}: _MLABlockTile({tile}) "

@@ -12,19 +12,23 @@ ragged context lengths with a CUDA-graph padding request of length 0, 2 to 8
 tokens and 8 to 64 heads, and the split counts of a graph captured for
 ``max_model_len`` replayed over short and long contexts.
 
-The kernels run compiled on the platform's own tiles, so these cases need a
-GPU; the split bound is host arithmetic and runs anywhere.
+The kernels run compiled, so these cases need a GPU: on the platform's own
+tiles, and on the tile of GPUs with less shared memory, forced. A graph
+captured once with the host side planned for max_model_len is replayed over
+other lengths and pages. The split bound is host arithmetic and runs anywhere.
 """
 
 import zlib
 from dataclasses import dataclass
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 import torch
 
 from vllm.platforms import current_platform
-from vllm.v1.attention.ops import triton_decode_attention as ops
+from vllm.v1.attention.ops import triton_mla_block_decode as ops
+from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
 
 needs_gpu = pytest.mark.skipif(
     not current_platform.is_cuda_alike(), reason="Triton kernels need a GPU"
@@ -123,7 +127,7 @@ def _flattened_decode(
     logits = torch.empty(
         *q.shape[:2], num_kv_splits, case.kv_lora_rank + 1, device="cuda"
     )
-    ops.decode_attention_fwd(
+    decode_attention_fwd(
         q,
         kv_cache,
         kv_cache[..., : case.kv_lora_rank],
@@ -197,18 +201,117 @@ def test_block_decode_equals_flattened_decode(case: Case):
 
 
 @needs_gpu
+def test_block_decode_on_the_small_shared_memory_tile():
+    """GPUs with less shared memory (A100, consumer parts, vLLM's L4 CI) take
+    a 32-row tile of 32 KV tokens; forced here, so that it runs on any GPU."""
+    case = Case("small-smem", 5, 16, (900, 0, 70), 16, "bf16", MAX_MODEL_LEN)
+    x = _inputs(case)
+    scale = (case.kv_lora_rank + case.rope_dim) ** -0.5
+    small = ops._LARGE_SMEM_BYTES - 1
+    with patch.object(ops, "get_max_shared_memory_bytes", lambda gpu=0: small):
+        tile = ops._mla_block_tile(80, torch.bfloat16, torch.device("cuda", 0))
+        got = _block_decode(case, x, scale)
+    assert tile == ops._TILE_SMALL_SMEM
+    _assert_equal_to_flat(case, got, _flattened_decode(case, x, scale, 4))
+
+
+@needs_gpu
+@pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-def test_forward_mqa_decodes_non_causal_block_like_flattened_rows(kv_dtype: str):
-    """forward_mqa hands the block kernel the right cache view, scale, scratch
-    and SM count: its output is the flattened decode's."""
+def test_block_decode_replays_a_graph_captured_for_max_model_len(
+    kv_dtype: str, page_size: int
+):
+    """As a speculative drafter runs it: the decode captured once in a CUDA
+    graph, with the host side planned for max_model_len and a padded batch,
+    then replayed over other ragged lengths and other pages. Each replay
+    equals the flattened decode of that step's batch."""
+    num_reqs, longest = 4, 20000
+    replays = [(5, 17000, 0, 300), (longest,) * 4, (1, 2, 3, 0), (9000, 0, 0, 0)]
+    case = Case("graph", 5, 8, (longest,) * num_reqs, page_size, kv_dtype)
+    x = _inputs(case)  # sized for the longest step: every replay fits
+    scale = (case.kv_lora_rank + case.rope_dim) ** -0.5
+    q, kv_cache = x["q"], x["kv_cache"].unsqueeze(2)
+    splits = ops.mla_block_decode_num_kv_splits(
+        q, kv_cache, num_reqs, MAX_MODEL_LEN, _num_sms(), _max_kv_splits()
+    )
+    o, lse = q.new_zeros(*q.shape[:2], case.kv_lora_rank), q.new_zeros(q.shape[:2])
+    logits = torch.empty(*q.shape[:2], splits, case.kv_lora_rank + 1, device="cuda")
+
+    def decode() -> None:
+        ops.decode_attention_fwd_mla_block(
+            q,
+            kv_cache,
+            o,
+            lse,
+            x["block_table"],
+            x["seq_lens"],
+            logits,
+            scale,
+            page_size,
+            x["kv_scale"],
+            _num_sms(),
+        )
+
+    decode()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for lens in replays:
+        # Each step: other lengths, another order of the pages, another query.
+        x["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        pages = x["block_table"].flatten()
+        order = torch.randperm(pages.numel(), generator=gen, device="cuda")
+        x["block_table"].copy_(pages[order].view_as(x["block_table"]))
+        q.copy_(3 * torch.randn(q.shape, generator=gen, device="cuda"))
+        graph.replay()
+        step = Case("graph-step", 5, 8, lens, page_size, kv_dtype)
+        _assert_equal_to_flat(step, (o, lse), _flattened_decode(step, x, scale, 4))
+
+
+def _triton_mla_impl(num_heads: int, kv_cache_dtype: str):
+    """TritonMLAImpl as vLLM builds it: its constructor, under a config."""
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
 
+    rank, rope = 512, 64
+    with set_current_vllm_config(VllmConfig()):
+        return TritonMLAImpl(
+            num_heads=num_heads,
+            head_size=rank + rope,
+            scale=(rank + rope) ** -0.5,
+            num_kv_heads=1,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=None,
+            attn_type="decoder",
+            kv_sharing_target_layer_name=None,
+            q_lora_rank=None,
+            kv_lora_rank=rank,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=rope,
+            qk_head_dim=128 + rope,
+            v_head_dim=128,
+            kv_b_proj=None,
+        )
+
+
+@needs_gpu
+@pytest.mark.parametrize("workspace", [False, True], ids=["alloc", "workspace"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_forward_mqa_decodes_non_causal_block_like_flattened_rows(
+    request, kv_dtype: str, workspace: bool
+):
+    """forward_mqa hands the block kernel the right cache view, scale, scratch
+    and SM count: its output is the flattened decode's, with the scratch from
+    vLLM's workspace or allocated (a test before it may have set one up)."""
+    if workspace:
+        request.getfixturevalue("workspace_init")
     case = Case(f"forward_mqa-{kv_dtype}", 5, 8, (45, 0, 2000), 16, kv_dtype)
     x = _inputs(case)
     rank = case.kv_lora_rank
-    impl = object.__new__(TritonMLAImpl)
-    impl.kv_lora_rank, impl.scale = rank, (rank + case.rope_dim) ** -0.5
-    impl._sm_count, impl.dcp_world_size = _num_sms(), 1
+    impl = _triton_mla_impl(8, "fp8" if kv_dtype == "fp8" else "auto")
     metadata = SimpleNamespace(
         max_seq_len=max(case.context_lens),
         causal=False,
@@ -224,9 +327,13 @@ def test_forward_mqa_decodes_non_causal_block_like_flattened_rows(kv_dtype: str)
 @pytest.mark.parametrize("max_seq_len", [100, 4096, MAX_MODEL_LEN])
 def test_block_decode_split_bound_fits_the_workspace(num_reqs: int, max_seq_len: int):
     """The split count sizes the grid and the scratch: a power of 2, never more
-    than the workspace reserved, and enough for one long request alone to
-    give every SM a program."""
-    num_sms, max_kv_splits = 132, 256
+    than the workspace reserved for max_model_len, and enough for one long
+    request alone to give every SM a program."""
+    from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits
+
+    num_sms = 132
+    # What _reserve_attn_logits_workspace reserves room for, per request row.
+    max_kv_splits = _compute_num_kv_splits(MAX_MODEL_LEN, num_sms)
     q = torch.empty(num_reqs * 5, 8, 576, dtype=torch.bfloat16)
     kv_cache = torch.empty(1, 64, 1, 576, dtype=torch.bfloat16)
     splits = ops.mla_block_decode_num_kv_splits(

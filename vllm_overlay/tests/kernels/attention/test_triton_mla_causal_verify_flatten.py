@@ -20,12 +20,15 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla.triton_mla import (
     TritonMLAImpl,
     TritonMLAMetadataBuilder,
 )
+from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
 
 NUM_HEADS = 16
 KV_LORA_RANK = 512
@@ -44,13 +47,46 @@ def _seq_lens(query_len: int) -> list[int]:
 
 
 def _make_impl(dcp_world_size: int = 1) -> TritonMLAImpl:
-    """Only the attributes ``forward_mqa`` reads; __init__ wants a full config."""
-    impl = object.__new__(TritonMLAImpl)
-    impl.kv_lora_rank = KV_LORA_RANK
-    impl.scale = HEAD_SIZE**-0.5
-    impl._sm_count = 304
+    """A TritonMLAImpl built by its constructor under a config, as vLLM builds
+    it (a CPU has no compute units to count: the platform is given 304)."""
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    platform = type(current_platform)
+    with (
+        set_current_vllm_config(config),
+        patch.object(platform, "num_compute_units", lambda *args: 304),
+    ):
+        impl = TritonMLAImpl(
+            num_heads=NUM_HEADS,
+            head_size=HEAD_SIZE,
+            scale=HEAD_SIZE**-0.5,
+            num_kv_heads=1,
+            alibi_slopes=None,
+            sliding_window=None,
+            kv_cache_dtype="auto",
+            logits_soft_cap=None,
+            attn_type="decoder",
+            kv_sharing_target_layer_name=None,
+            q_lora_rank=None,
+            kv_lora_rank=KV_LORA_RANK,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+            qk_head_dim=128 + QK_ROPE_HEAD_DIM,
+            v_head_dim=128,
+            kv_b_proj=None,
+        )
+    # No DCP group is set up here: the rank count is what forward_mqa reads.
     impl.dcp_world_size = dcp_world_size
     return impl
+
+
+@pytest.fixture(params=["no workspace", "workspace"])
+def workspace(request):
+    """forward_mqa with and without vLLM's workspace manager, which a test
+    before this one in the same process may have left initialised."""
+    if request.param == "workspace":
+        init_workspace_manager(torch.device("cpu"))
+    yield
+    reset_workspace_manager()
 
 
 def _make_metadata(seq_lens: list[int], query_len: int, causal: bool):
@@ -172,7 +208,7 @@ def test_cudagraph_padding_rows_present_no_kv_extent():
 
 
 @pytest.mark.parametrize("query_len", [2, 4])
-def test_non_causal_block_reads_each_request_once(query_len):
+def test_non_causal_block_reads_each_request_once(workspace, query_len):
     """The DSpark draft block is generated in one pass, so every row attends
     the request's whole sequence: the block kernel takes one row per request,
     the block table and lengths as the metadata has them."""
@@ -229,18 +265,11 @@ def test_non_uniform_block_is_rejected():
         _run_forward_mqa(_seq_lens(1), query_len=1, causal=True, q_rows=6)
 
 
-def test_causal_multi_token_decode_is_rejected_under_dcp():
+def test_multi_token_decode_is_rejected_under_dcp():
     """Per-row extents offset the global seq_len, but DCP passes the rank-local
-    slice, so the causal arithmetic would silently address the wrong KV."""
-    with pytest.raises(AssertionError, match="not supported with DCP"):
-        _run_forward_mqa(_seq_lens(4), query_len=4, causal=True, dcp_world_size=2)
-
-    # Non-causal rows all take the same extent, which stays correct when local.
-    # DCP keeps the flattened rows.
-    query_len = 4
-    captured = _run_forward_mqa(
-        _seq_lens(query_len), query_len, causal=False, dcp_world_size=2
-    )
-    assert captured["kernel"] == "flat"
-    want = [s for s in _seq_lens(query_len) for _ in range(query_len)]
-    assert captured["seq_lens"].tolist() == want
+    slice, so the causal arithmetic would silently address the wrong KV; the
+    builder rejects non-causal blocks under DCP
+    (supports_non_causal_multi_token_dcp), and forward_mqa asserts it."""
+    for causal in (True, False):
+        with pytest.raises(AssertionError, match="not supported with DCP"):
+            _run_forward_mqa(_seq_lens(4), query_len=4, causal=causal, dcp_world_size=2)

@@ -18,7 +18,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
-from vllm.triton_utils import triton
+from vllm.utils.math_utils import next_power_of_2
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
     AttentionLayer,
@@ -26,8 +26,8 @@ from vllm.v1.attention.backend import (
     MultipleOf,
     max_decode_query_len,
 )
-from vllm.v1.attention.ops.triton_decode_attention import (
-    decode_attention_fwd,
+from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+from vllm.v1.attention.ops.triton_mla_block_decode import (
     decode_attention_fwd_mla_block,
     mla_block_decode_num_kv_splits,
 )
@@ -48,8 +48,8 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 def _compute_num_kv_splits(max_seq_len: int, sm_count: int) -> int:
     # Power of 2 to avoid excessive kernel instantiations, capped by an SM-based
     # maximum (occupancy multiplier allows multiple blocks per SM
-    # for latency hiding).
-    ideal_splits = triton.next_power_of_2(max(1, max_seq_len // _MIN_WORK_PER_SPLIT))
+    # for latency hiding). Host arithmetic: no Triton needed.
+    ideal_splits = next_power_of_2(max(1, max_seq_len // _MIN_WORK_PER_SPLIT))
     max_splits = sm_count * _SPLIT_OCCUPANCY_MULTIPLIER
     return min(ideal_splits, max_splits)
 
@@ -76,8 +76,9 @@ def _reserve_attn_logits_workspace(
 
 
 class TritonMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    # forward_mqa flattens a uniform multi-token block to one decode row per
-    # query token, so causal and non-causal blocks both take the decode path.
+    # forward_mqa decodes a uniform multi-token block: a causal one flattened
+    # to one decode row per query token, a non-causal one (a draft block)
+    # with the block kernel, so both take the decode path.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
     supports_non_causal_multi_token_decode: ClassVar[bool] = True
@@ -86,9 +87,9 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # DCP local sequence lengths are not advanced between draft steps.
         self.supports_draft_decode_metadata_update = self.dcp_world_size == 1
-        # forward_mqa flattens each request's block to query_len decode rows,
-        # and query_len is bounded by the reorder threshold. DCP all-gathers
-        # the query heads before forward_mqa.
+        # forward_mqa decodes query_len rows per request, and query_len is
+        # bounded by the reorder threshold. DCP all-gathers the query heads
+        # before forward_mqa.
         _reserve_attn_logits_workspace(
             vllm_config,
             vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
@@ -146,9 +147,8 @@ class TritonMLABackend(MLACommonBackend):
 
     @classmethod
     def supports_non_causal(cls) -> bool:
-        # DSpark non-causal blocks are flattened to single-token decode rows in
-        # TritonMLAImpl.forward_mqa (decode_attention_fwd has no causal flag /
-        # no intra-block masking). Enables the non-causal AMD MLA path.
+        # DSpark's non-causal blocks take decode_attention_fwd_mla_block in
+        # TritonMLAImpl.forward_mqa. Enables the non-causal AMD MLA path.
         return True
 
 
@@ -234,6 +234,16 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
 
         self._sm_count = current_platform.num_compute_units()
         self._vllm_config = get_current_vllm_config()
+        # The most KV splits a request's block decode may take: what the
+        # workspace reserves for max_model_len (_reserve_attn_logits_workspace).
+        # decode_attention_fwd_mla_block may split short contexts finer than
+        # _compute_num_kv_splits does.
+        model_config = self._vllm_config.model_config
+        self._max_block_kv_splits = (
+            _compute_num_kv_splits(model_config.max_model_len, self._sm_count)
+            if model_config is not None
+            else self._sm_count * _SPLIT_OCCUPANCY_MULTIPLIER
+        )
 
     def reserve_workspace(self) -> None:
         # The builder reserves after memory profiling; reserve its upper bound
@@ -245,16 +255,6 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
             * max_decode_query_len(vllm_config),
             self.num_heads * self.dcp_world_size,
             self.kv_lora_rank,
-        )
-
-    def _max_block_kv_splits(self) -> int:
-        """KV splits the workspace reserved room for (see
-        _reserve_attn_logits_workspace): decode_attention_fwd_mla_block may
-        split short contexts finer than _compute_num_kv_splits does."""
-        if not is_workspace_manager_initialized():
-            return self._sm_count * _SPLIT_OCCUPANCY_MULTIPLIER
-        return _compute_num_kv_splits(
-            self._vllm_config.model_config.max_model_len, self._sm_count
         )
 
     def forward_mqa(
@@ -290,11 +290,13 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
         )
         # A non-causal draft block: every row of a request attends the same
         # span, so decode_attention_fwd_mla_block reads it once for them all.
-        # The builder rejects non-causal blocks under DCP
-        # (supports_non_causal_multi_token_dcp); DCP keeps the flattened rows.
-        block_decode = (
-            query_len > 1 and not attn_metadata.causal and self.dcp_world_size == 1
-        )
+        block_decode = query_len > 1 and not attn_metadata.causal
+        if block_decode:
+            # The builder rejects non-causal blocks under DCP
+            # (supports_non_causal_multi_token_dcp is False).
+            assert self.dcp_world_size == 1, (
+                "non-causal multi-token decode is not supported with DCP"
+            )
 
         # For batch invariance, use only 1 split to ensure deterministic reduction
         if envs.VLLM_BATCH_INVARIANT:
@@ -306,7 +308,7 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 num_decodes,
                 attn_metadata.max_seq_len,
                 self._sm_count,
-                self._max_block_kv_splits(),
+                self._max_block_kv_splits,
             )
         else:
             num_kv_splits = _compute_num_kv_splits(
@@ -350,23 +352,20 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         if query_len > 1:
+            # A causal block: one decode row per token. Per-row extents are
+            # offsets off the global sequence length; under DCP seq_lens is
+            # this rank's local slice instead.
+            assert self.dcp_world_size == 1, (
+                "causal multi-token decode is not supported with DCP"
+            )
             block_table = block_table.repeat_interleave(query_len, dim=0)
-            if attn_metadata.causal:
-                # Per-row extents are offsets off the global sequence length;
-                # under DCP seq_lens is this rank's local slice instead.
-                assert self.dcp_world_size == 1, (
-                    "causal multi-token decode is not supported with DCP"
-                )
-                # Row t attends the prefix plus block tokens 0..t. Clamp holds
-                # padding rows at extent 0; the kernel skips them either way
-                # (split_kv_end == split_kv_start).
-                offsets = torch.arange(
-                    1 - query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype
-                )
-                seq_lens = (seq_lens.unsqueeze(1) + offsets).flatten().clamp(min=0)
-            else:
-                # Non-causal block under DCP: every row sees the same prefix.
-                seq_lens = seq_lens.repeat_interleave(query_len)
+            # Row t attends the prefix plus block tokens 0..t. Clamp holds
+            # padding rows at extent 0; the kernel skips them either way
+            # (split_kv_end == split_kv_start).
+            offsets = torch.arange(
+                1 - query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype
+            )
+            seq_lens = (seq_lens.unsqueeze(1) + offsets).flatten().clamp(min=0)
 
         # Run MQA — always pass layer scales. When KV cache is
         # BF16 the kernel's `if dtype.is_fp8()` check is a no-op.
