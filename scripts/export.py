@@ -322,15 +322,29 @@ def pr_description(template: str, message: Message, notes: Message,
     hardware = message.take("hardware") + notes.take("hardware")
     details = ([("Background", background)] if background else []) + message.sections
     details += notes.sections
-    if notes.preamble:
-        details.append(("Notes", notes.preamble))
     filled = {
         "overview": overview or _title(message.subject),
         "claims": claims,
         "validation": _join(plans + results + [("Automated checks", validation)] + hardware),
-        "details": _join(details),
+        "details": _collapsed(_notes_lead(notes.preamble), _join(details)),
     }
     return _fill(template, filled)
+
+
+def _notes_lead(preamble: str) -> str:
+    """The notes' text before their first section, without a title line of
+    their own (the PR has its title)."""
+    return "\n".join(ln for ln in preamble.splitlines() if not ln.startswith("# ")).strip()
+
+
+def _collapsed(*parts: str) -> str:
+    """Background, design and evidence, folded away: the PR shows purpose,
+    claims and validation first, as vLLM's reviewers read it."""
+    text = "\n\n".join(p for p in parts if p)
+    if not text:
+        return ""
+    return (f"<details>\n<summary>Background, design and evidence</summary>\n\n{text}\n\n"
+            "</details>")
 
 
 def _hex(commit: str) -> str:

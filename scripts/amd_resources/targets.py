@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 # CDNA3 and CDNA4 share the register files: 512 VGPRs per lane of a SIMD, arch
 # VGPRs and AGPRs from one pool (gfx90a+), allocated in granules of 8; 800
-# SGPRs a SIMD in granules of 16; at most 8 waves per SIMD (LLVM's
-# getMaxWavesPerEU for gfx90a+); 4 SIMDs a CU.
+# SGPRs a SIMD, counted as LLVM's occupancy for GFX9 counts them (10, 9, 8 waves
+# up to 80, 88, 100 SGPRs: 800 // SGPRs, no granule); at most 8 waves per SIMD
+# (LLVM's getMaxWavesPerEU for gfx90a+); 4 SIMDs a CU.
 VGPRS_PER_SIMD = 512
 VGPR_GRANULE = 8
 SGPRS_PER_SIMD = 800
-SGPR_GRANULE = 16
 MAX_WAVES_PER_SIMD = 8
 SIMDS_PER_CU = 4
 WAVE_SIZE = 64
@@ -47,7 +47,7 @@ def _granules(count: int, granule: int) -> int:
 def waves_by_registers(allocated_vgprs: int, sgprs: int = 0) -> int:
     """Waves a SIMD holds with this many VGPRs allocated per lane and SGPRs a wave."""
     return min(MAX_WAVES_PER_SIMD, VGPRS_PER_SIMD // _granules(allocated_vgprs, VGPR_GRANULE),
-               SGPRS_PER_SIMD // _granules(sgprs, SGPR_GRANULE))
+               SGPRS_PER_SIMD // max(sgprs, 1))
 
 
 def workgroups_per_cu(arch: Arch, waves_a_simd: int, lds_bytes: int, num_warps: int) -> int:

@@ -52,6 +52,10 @@ BLOCK becomes 64, and helper() names it.
 
 Run the foo benchmark on an MI300."""
 NOTES_1 = """\
+# Foo: notes for the PR
+
+What the notes add to the message.
+
 ## Claims
 
 - Foo is 4x faster on MI300.
@@ -210,9 +214,16 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
                  "| `vLLM pre-commit: ruff check` | vLLM tree | CPU | 9 | 0 | 0",
                  "### Hardware test plan (MI300/MI355 reviewers)", "foo benchmark on an MI300"):
         assert text in validation
+    details = sections["## Details"]
     for text in ("### Background", "overflowed the shared memory", "### Design",
                  "### Rationale", "register budget of gfx942"):
-        assert text in sections["## Details"]
+        assert text in details
+    # Folded away, after the sections reviewers read first; no heading of the
+    # notes' own leaks into the PR.
+    assert details.split("\n\n")[1].startswith("<details>\n<summary>")
+    assert details.rstrip().endswith("</details>") or "</details>\n\n---" in details
+    assert "What the notes add to the message." in details
+    assert "### Notes" not in pr and "# Foo: notes" not in pr
     # The checklist is the template's, nothing ticked; no guidance comment is left.
     checklist = TEMPLATE[TEMPLATE.index("\n---\n"):]
     assert pr.endswith(checklist) and "[x]" not in pr

@@ -16,10 +16,6 @@ from vllm.models.deepseek_v4.nvidia import dspark as dsv4_dspark
 from vllm.models.kimi_k3.common import dspark_mla
 from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkForCausalLM, K3DSparkModel
 
-# CPU tests that start no distributed environment: vLLM's per-test cleanup
-# would only add a full gc.collect() after each of them.
-pytestmark = pytest.mark.skip_global_cleanup
-
 
 def test_dspark_mla_uses_compile_free_model_entrypoint():
     # The registry resolves the current platform's drafter.

@@ -371,10 +371,14 @@ class K3DSparkModelBase(nn.Module):
 
         cache_layers = self._kv_cache_layers()
         cache_dtype = cache_layers[0].kv_cache_dtype
+        grouped_dtypes = cache_dtype in self.grouped_kv_cache_dtypes and all(
+            cl.kv_cache_dtype == cache_dtype for cl in cache_layers
+        )
+        if grouped_dtypes:
+            self._refresh_context_kv_caches(cache_layers)
         if (
-            cache_dtype in self.grouped_kv_cache_dtypes
-            and all(cl.kv_cache_dtype == cache_dtype for cl in cache_layers)
-            and self._has_uniform_block_layout(cache_layers)
+            grouped_dtypes
+            and self._layers_share_kv_block_layout
             and (
                 isinstance(context_slot_mapping, torch.Tensor)
                 or all(s is not None for s in context_slot_mapping)
@@ -429,10 +433,12 @@ class K3DSparkModelBase(nn.Module):
                 attn._k_scale,
             )
 
-    def _has_uniform_block_layout(
-        self,
-        cache_layers: list[Any],
-    ) -> bool:
+    def _refresh_context_kv_caches(self, cache_layers: list[Any]) -> None:
+        """When the caches' addresses changed since the last call (the
+        memory-profiling caches, then the real ones), write them into the
+        grouped insert's pointer array and check again whether all layers
+        share one block layout (`_layers_share_kv_block_layout`). Addresses
+        never change during graph capture."""
         key = tuple(cl.kv_cache.data_ptr() for cl in cache_layers)
         if getattr(self, "_kv_cache_ptrs_key", None) != key:
             assert not torch.cuda.is_current_stream_capturing()
@@ -445,7 +451,6 @@ class K3DSparkModelBase(nn.Module):
                 and cl.kv_cache.stride(1) == ref_cache.stride(1)
                 for cl in cache_layers
             )
-        return self._layers_share_kv_block_layout
 
     def _refresh_context_kv_cache_ptrs(
         self, ptrs: tuple[int, ...], device: torch.device

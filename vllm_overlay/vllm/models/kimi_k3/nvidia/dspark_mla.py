@@ -15,6 +15,10 @@ from vllm.models.kimi_k3.common.dspark_mla import (
     K3DSparkDecoderLayerBase,
     K3DSparkForCausalLMBase,
     K3DSparkModelBase,
+    # Still importable from here, where they were before the base: tests
+    # reach them through this module.
+    _duplicate_context_kv_weights,  # noqa: F401
+    get_draft_quant_config,  # noqa: F401
 )
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 from vllm.models.kimi_k3.nvidia.model import KimiMLP
