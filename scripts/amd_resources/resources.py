@@ -25,12 +25,6 @@ from scripts.amd_resources.targets import (
 
 # Launch options shown with each kernel (HIPOptions fields).
 OPTIONS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack")
-# Constexprs that only divide the context among programs: launches that differ
-# in nothing else are one compiled variant (tests/verification/test_amd_resources.py
-# checks that two split counts compile to the same resources).
-SPLIT_CONSTEXPRS = frozenset({"NUM_KV_SPLITS"})
-
-
 @dataclass
 class Resources:
     """One compiled variant of a kernel on one GPU, and the shapes it serves."""
@@ -77,14 +71,13 @@ class Resources:
         return asdict(self)
 
 
-def variant_key(launch: Launch, ignore: frozenset[str] = SPLIT_CONSTEXPRS) -> tuple:
-    """What decides the compiled code of a launch, the `ignore`d constexprs left
-    out: the kernel, its arguments' dtypes and specialization, constexprs and
-    options."""
+def variant_key(launch: Launch) -> tuple:
+    """What decides the compiled code of a launch: the kernel, its arguments'
+    dtypes and specialization, constexprs and options."""
     kernel = launch.kernel
     bound = _bind(launch)
     parts = tuple((p.name, repr(value) if p.is_constexpr else _describe(value))
-                  for p in kernel.params if p.name not in ignore
+                  for p in kernel.params
                   for value in [bound.get(p.name, p.default)])
     options = tuple(sorted((k, v) for k, v in launch.kwargs.items()
                            if k not in kernel.signature.parameters))
@@ -171,14 +164,13 @@ def _summary(message: object) -> str:
     return lines[-1] if lines else repr(message)
 
 
-def compile_all(launches: list[Launch], arch: Arch, jobs: int = 1,
-                ignore: frozenset[str] = SPLIT_CONSTEXPRS) -> list[Resources]:
+def compile_all(launches: list[Launch], arch: Arch, jobs: int = 1) -> list[Resources]:
     """Each distinct variant among the launches (variant_key), compiled once, in
     launch order; `jobs` processes compile in parallel (forked: they share the
     loaded kernels)."""
     variants: dict[tuple, list[Launch]] = {}
     for launch in launches:
-        variants.setdefault(variant_key(launch, ignore), []).append(launch)
+        variants.setdefault(variant_key(launch), []).append(launch)
     groups = list(variants.values())
     if jobs <= 1 or len(groups) <= 1:
         return [compile_variant(group, arch) for group in groups]

@@ -92,7 +92,7 @@ def with_overrides(launch: Launch, overrides: dict, label: str) -> Launch:
 def compile_tiles(base: dict[str, Launch], tiles: list[Tile], arch: Arch,
                   jobs: int) -> list[Resources]:
     return compile_all([with_overrides(base[t.kv], t.overrides(), t.label()) for t in tiles],
-                       arch, jobs, ignore=frozenset())
+                       arch, jobs)
 
 
 def parse_tile(spec: str) -> tuple[str, dict]:
@@ -116,13 +116,12 @@ def parse_tile(spec: str) -> tuple[str, dict]:
 
 def compile_specs(tree: Path, arch: Arch, specs: list[str], jobs: int) -> list[Resources]:
     """Stage 1 at the study's shape, with each spec's overrides on the wrapper's
-    launch; every spec compiled on its own (split counts included)."""
+    launch; every spec compiled on its own."""
     parsed = [parse_tile(spec) for spec in specs]
     with rocm_modules(tree, arch) as load:
         base = base_launches(load, tree, arch)
         return compile_all([with_overrides(base[kv], overrides, spec)
-                            for spec, (kv, overrides) in zip(specs, parsed)], arch, jobs,
-                           ignore=frozenset())
+                            for spec, (kv, overrides) in zip(specs, parsed)], arch, jobs)
 
 
 def first_round(production: Tile) -> list[Tile]:
