@@ -110,7 +110,7 @@ def test_limits_are_each_gpus():
     assert Resources("k", "", [{}], options={"num_warps": 8},
                      allocated_vgprs=264).violations(mi355) == [
         "no workgroup of 8 waves fits a CU (264 VGPRs a lane)"]
-    # 512 VGPRs a SIMD lane in granules of 8, 800 SGPRs in granules of 16, at
+    # 512 VGPRs a SIMD lane in granules of 8, 800 SGPRs (LLVM: 800 // SGPRs), at
     # most 8 waves.
     assert [waves_by_registers(n) for n in (512, 257, 256, 129, 128, 64, 24)] == [
         1, 1, 2, 3, 4, 8, 8]
