@@ -227,14 +227,17 @@ def _decode_metadata(num_tokens: int, seq_len: int):
     )
 
 
-def _dspark_draft_kernels():
-    """The tree's dspark.utils if it sizes the draft's kernels (the stack's
-    patch), else None (0.33.0)."""
+def _dspark_draft_kernels(cls):
+    """The tree's dspark.utils if it gives the drafter `cls` the draft's
+    kernels (the stack's patch, for an uncompiled drafter), else None
+    (0.33.0, or a drafter the loader leaves on the target's config)."""
     try:
         from vllm.v1.worker.gpu.spec_decode.dspark import utils
     except ImportError:
         return None
-    return utils if hasattr(utils, "draft_ir_op_priority") else None
+    if not hasattr(utils, "draft_ir_op_priority"):
+        return None
+    return utils if utils.draft_runs_uncompiled(cls) else None
 
 
 def _build(module: str, cache: str, mode: str):
@@ -249,11 +252,12 @@ def _build(module: str, cache: str, mode: str):
 
     # Custom-op dispatch reads a cached compilation config: the zygote's.
     get_cached_compilation_config.cache_clear()
-    dspark = _dspark_draft_kernels()
+    cls = D.drafter_cls("amd" if module == "amd" else "nvidia")
+    dspark = _dspark_draft_kernels(cls)
     draft = D.build(
         rope=ROPE,
         cache_dtype=CACHE_DTYPES[cache],
-        cls=D.drafter_cls("amd" if module == "amd" else "nvidia"),
+        cls=cls,
         eager=mode == "eager",
         num_layers=NUM_LAYERS,
         # What load_dspark_model builds the draft with.
@@ -297,7 +301,7 @@ def measure(module: str, cache: str, mode: str) -> dict:
     draft = _build(module, cache, mode)
     config = draft.vllm_config
     # What DSparkSpeculator runs the draft under (propose, capture).
-    dspark = _dspark_draft_kernels()
+    dspark = _dspark_draft_kernels(type(draft.model))
     priority = (
         dspark.draft_ir_op_priority(config).set_priority()
         if dspark
@@ -371,7 +375,7 @@ def measure_target() -> dict[str, int]:
     get_cached_compilation_config.cache_clear()
     target = D.make_vllm_config(D.make_hf_config(rope=ROPE, num_layers=NUM_LAYERS))
     target.kernel_config.ir_op_priority.set_default()
-    dspark = _dspark_draft_kernels()
+    dspark = _dspark_draft_kernels(D.drafter_class())
     if dspark is not None:
         draft = copy.copy(target)
         draft.compilation_config = dspark.draft_compilation_config(

@@ -1,77 +1,167 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The DSpark draft model runs vLLM's kernels under a compiled target.
+"""An uncompiled DSpark drafter runs vLLM's kernels under a compiled target.
 
-The draft is never compiled, but it is built and run under the target's
-compilation config. Under torch.compile with Inductor that config turns custom
-ops off and puts vLLM IR ops on their native forms, which only Inductor fuses;
-the draft must get what ``--enforce-eager`` gives instead, and the target must
-keep its own config.
+A drafter is built and run under the target's compilation config. Under
+torch.compile with Inductor that config turns custom ops off and puts vLLM IR
+ops on their native forms, which only Inductor fuses: a drafter that is
+compiled too keeps that config and its graphs, untouched; one that runs
+uncompiled (K3) gets what ``--enforce-eager`` gives instead. The target keeps
+its own config, and shares no record of built ops with the draft.
 """
 
 import contextlib
-import copy
+from contextlib import nullcontext
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
+import torch.nn as nn
 
+from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
 from vllm.config import (
     CompilationConfig,
     CompilationMode,
     DeviceConfig,
     KernelConfig,
+    ParallelConfig,
     VllmConfig,
     set_current_vllm_config,
 )
 from vllm.config.kernel import IrOpPriorityConfig
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.models.registry import ModelRegistry
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+from vllm.v1.worker.gpu.spec_decode.dspark import utils as dspark_utils
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.utils import (
-    draft_compilation_config,
     draft_ir_op_priority,
+    draft_runs_uncompiled,
 )
 
-pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
+pytestmark = pytest.mark.cpu_test
+
+# The drafters DSparkSpeculator loads, by registry architecture.
+DSPARK_DRAFTERS = sorted(
+    arch
+    for arch in ModelRegistry.get_supported_archs()
+    if "DSpark" in arch or "XPress" in arch
+)
+UNCOMPILED_DRAFTERS = {"K3DSparkModel"}
 
 
 def _config(**kwargs) -> VllmConfig:
     return VllmConfig(device_config=DeviceConfig(device="cpu"), **kwargs)
 
 
-def _enabled(op, vllm_config: VllmConfig) -> bool:
+def _enabled(op, vllm_config) -> bool:
     with set_current_vllm_config(vllm_config):
         return op.enabled()
 
 
-def _with_compilation(vllm_config: VllmConfig, compilation_config) -> VllmConfig:
-    """What load_dspark_model hands the draft's construction."""
-    draft = copy.copy(vllm_config)
-    draft.compilation_config = compilation_config
-    return draft
+@pytest.mark.parametrize("arch", DSPARK_DRAFTERS)
+def test_only_uncompiled_drafters_take_the_draft_kernels(arch: str):
+    model_cls = ModelRegistry._try_load_model_cls(arch)
+    assert model_cls is not None, arch
+    assert draft_runs_uncompiled(model_cls) == (arch in UNCOMPILED_DRAFTERS)
+    if arch in UNCOMPILED_DRAFTERS:
+        assert not issubclass(model_cls.model_cls, TorchCompileWithNoGuardsWrapper)
+
+
+def _load_draft(target: VllmConfig, draft_cls: type) -> SimpleNamespace:
+    """The vllm config that load_dspark_model builds the draft with, and the
+    target's config it was handed. Only the model's construction is replaced
+    (as in tests/model_executor/test_qwen3_omni.py)."""
+    built = {}
+
+    def get_model(*, vllm_config, model_config):
+        built["config"] = vllm_config
+        return SimpleNamespace(model=SimpleNamespace())
+
+    vllm_config = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            draft_model_config=SimpleNamespace(
+                hf_config=SimpleNamespace(model_type="k3_dspark"),
+                get_vocab_size=lambda: 8,
+            ),
+            draft_parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            attention_backend=None,
+            kv_cache_dtype=None,
+            draft_load_config=None,
+        ),
+        parallel_config=ParallelConfig(),
+        attention_config=SimpleNamespace(backend=None),
+        cache_config=SimpleNamespace(),
+        load_config=SimpleNamespace(load_format="auto"),
+        model_config=SimpleNamespace(get_vocab_size=lambda: 8),
+        compilation_config=target.compilation_config,
+    )
+
+    def fake_replace(config, **changes):
+        return SimpleNamespace(**{**vars(config), **changes})
+
+    with (
+        patch.object(dspark_utils, "replace", side_effect=fake_replace),
+        patch(
+            "vllm.v1.worker.gpu.spec_decode.eagle.utils.get_pp_group",
+            return_value=SimpleNamespace(world_size=1),
+        ),
+        patch(
+            "vllm.v1.worker.gpu.spec_decode.utils.get_pp_group",
+            return_value=SimpleNamespace(world_size=1),
+        ),
+        patch("vllm.compilation.backends.set_model_tag", return_value=nullcontext()),
+        patch("vllm.model_executor.model_loader.get_model", side_effect=get_model),
+        patch(
+            "vllm.model_executor.model_loader.utils.get_model_cls",
+            return_value=draft_cls,
+        ),
+        patch(
+            "vllm.model_executor.models.qwen3_dflash.dflash_has_any_non_causal",
+            return_value=True,
+        ),
+        patch(
+            "vllm.model_executor.models.utils.get_draft_quant_config",
+            return_value=None,
+        ),
+    ):
+        dspark_utils.load_dspark_model(SimpleNamespace(model=nn.Module()), vllm_config)
+    return built["config"]
 
 
 @pytest.mark.parametrize("user_ops", [[], ["-silu_and_mul"]])
-def test_draft_builds_custom_ops_that_a_compiled_target_turns_off(user_ops):
+def test_loader_builds_an_uncompiled_drafter_on_custom_ops(user_ops):
+    from vllm.models.kimi_k3 import K3DSparkForCausalLM
+
     target = _config(compilation_config=CompilationConfig(custom_ops=user_ops))
     assert target.compilation_config.mode == CompilationMode.VLLM_COMPILE
     assert not _enabled(RMSNorm, target)
 
-    draft = _with_compilation(
-        target, draft_compilation_config(target.compilation_config)
-    )
+    draft = _load_draft(target, K3DSparkForCausalLM)
 
     assert _enabled(RMSNorm, draft)
     # An op the user turned off stays off.
     assert _enabled(SiluAndMul, draft) == ("-silu_and_mul" not in user_ops)
-    # The target keeps its config, and the draft's layers register in the
-    # target's forward context.
-    assert "none" in target.compilation_config.custom_ops
-    assert (
-        draft.compilation_config.static_forward_context
-        is target.compilation_config.static_forward_context
-    )
+    # The target keeps its config; the draft's layers register in the
+    # target's forward context, but its record of built ops is its own.
+    target_config, draft_config = target.compilation_config, draft.compilation_config
+    assert "none" in target_config.custom_ops and draft_config is not target_config
+    assert draft_config.static_forward_context is target_config.static_forward_context
+    assert draft_config.enabled_custom_ops is not target_config.enabled_custom_ops
+    assert draft_config.disabled_custom_ops is not target_config.disabled_custom_ops
+
+
+@pytest.mark.parametrize("arch", sorted(set(DSPARK_DRAFTERS) - UNCOMPILED_DRAFTERS))
+def test_loader_leaves_a_compiled_drafter_on_the_target_config(arch: str):
+    """Its Inductor graphs are built from the config it is handed: the
+    target's own object, untouched."""
+    target = _config()
+    before = target.compilation_config.custom_ops.copy()
+    draft = _load_draft(target, ModelRegistry._try_load_model_cls(arch))
+    assert draft.compilation_config is target.compilation_config
+    assert target.compilation_config.custom_ops == before
+    assert not _enabled(RMSNorm, draft)
 
 
 def test_draft_ir_ops_run_what_enforce_eager_runs():
@@ -116,3 +206,10 @@ def test_draft_forward_and_capture_run_under_the_draft_priority(monkeypatch):
 
     assert seen == [("propose", True), ("capture", True)]
     assert not inside[0]
+
+    # A compiled drafter runs under the target's priority.
+    seen.clear()
+    speculator.draft_ir_op_priority = None
+    speculator.propose(dummy_run=True)
+    speculator.capture()
+    assert seen == [("propose", False), ("capture", False)]

@@ -23,17 +23,21 @@ CUDA graphs (FULL, mirroring DFlash) cover the whole draft step: the parallel
 backbone forward AND the sequential Markov sampling.
 """
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.config.kernel import IrOpPriorityConfig
 from vllm.logger import init_logger
+from vllm.model_executor.model_loader.utils import get_model_cls
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark.utils import (
     draft_ir_op_priority,
+    draft_runs_uncompiled,
     load_dspark_model,
 )
 
@@ -83,9 +87,12 @@ class DSparkSpeculator(DFlashSpeculator):
         )
 
         self.use_confidence_head: bool = False
-        # The draft runs uncompiled: its IR ops take vLLM's kernels, whatever
-        # the target's compilation picks (see draft_ir_op_priority).
-        self.draft_ir_op_priority = draft_ir_op_priority(vllm_config)
+        # An uncompiled draft's IR ops take vLLM's kernels, whatever the
+        # target's compilation picks (see draft_ir_op_priority); a compiled
+        # draft keeps the target's priority.
+        self.draft_ir_op_priority: IrOpPriorityConfig | None = None
+        if draft_runs_uncompiled(get_model_cls(self.draft_model_config)):
+            self.draft_ir_op_priority = draft_ir_op_priority(vllm_config)
 
     def load_draft_model(
         self,
@@ -119,13 +126,17 @@ class DSparkSpeculator(DFlashSpeculator):
             self.use_acceptance_estimator = False
         return model
 
+    def _draft_ir_ops(self) -> AbstractContextManager:
+        priority = self.draft_ir_op_priority
+        return priority.set_priority() if priority is not None else nullcontext()
+
     def propose(self, *args, **kwargs) -> torch.Tensor:
-        with self.draft_ir_op_priority.set_priority():
+        with self._draft_ir_ops():
             return super().propose(*args, **kwargs)
 
     def capture(self) -> None:
         # The IR ops dispatch when captured; replays keep these kernels.
-        with self.draft_ir_op_priority.set_priority():
+        with self._draft_ir_ops():
             super().capture()
 
     def _sample_logits(

@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 
 import copy
+from collections import Counter
 from dataclasses import fields
 
 import torch.nn as nn
@@ -75,23 +76,39 @@ def _get_dspark_parallel_config(
     )
 
 
-# The DSpark draft model is never compiled (see K3DSparkForCausalLM), but it is
-# built and run under the target's compilation config. Under torch.compile with
-# Inductor (vLLM's default) that config turns custom ops off and puts vLLM IR ops
-# on their native implementations, forms meant for Inductor to fuse; run
-# uncompiled, each RMSNorm would be 6-8 eager PyTorch kernels. The draft instead
-# takes what --enforce-eager gives it: custom ops on, IR ops on vLLM's kernels.
+# A DSpark draft model is built and run under the target's compilation config.
+# Under torch.compile with Inductor (vLLM's default) that config turns custom
+# ops off and puts vLLM IR ops on their native implementations, forms meant for
+# Inductor to fuse. A drafter that is compiled too (Qwen3, Gemma 4, Muse Spark,
+# XPress) gets that fusion; one that runs uncompiled (K3) would run each RMSNorm
+# as 6-8 eager PyTorch kernels, so it takes what --enforce-eager gives it
+# instead: custom ops on, IR ops on vLLM's kernels.
+
+
+def draft_runs_uncompiled(model_cls: type[nn.Module]) -> bool:
+    """Whether a drafter runs uncompiled: its class names its inner model
+    (`model_cls`), and that model is not wrapped for torch.compile. A drafter
+    that says nothing is taken as compiled and keeps the target's config."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    inner = getattr(model_cls, "model_cls", None)
+    return isinstance(inner, type) and not issubclass(
+        inner, TorchCompileWithNoGuardsWrapper
+    )
 
 
 def draft_compilation_config(
     compilation_config: CompilationConfig,
 ) -> CompilationConfig:
     """The target's compilation config with every custom op on (ops the user
-    disabled stay off). A shallow copy: the draft's layers still register in
-    the target's forward context."""
+    disabled stay off), for an uncompiled drafter. A shallow copy: the
+    draft's layers still register in the target's forward context; the record
+    of the custom ops built is the draft's own."""
     draft = copy.copy(compilation_config)
     disabled = [op for op in compilation_config.custom_ops if op.startswith("-")]
     draft.custom_ops = ["all", *disabled]
+    draft.enabled_custom_ops = Counter()
+    draft.disabled_custom_ops = Counter()
     return draft
 
 
@@ -121,6 +138,7 @@ def load_dspark_model(target_model: nn.Module, vllm_config: VllmConfig) -> nn.Mo
 
     from vllm.compilation.backends import set_model_tag
     from vllm.model_executor.model_loader import get_model
+    from vllm.model_executor.model_loader.utils import get_model_cls
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
     from vllm.model_executor.models.utils import get_draft_quant_config
     from vllm.v1.worker.gpu.spec_decode.eagle.utils import (
@@ -135,6 +153,13 @@ def load_dspark_model(target_model: nn.Module, vllm_config: VllmConfig) -> nn.Mo
         vllm_config.attention_config.backend,
     )
 
+    # An uncompiled drafter takes vLLM's kernels; a compiled one keeps the
+    # target's compilation config, which its graphs are built for.
+    draft_overrides = {}
+    if draft_runs_uncompiled(get_model_cls(draft_model_config)):
+        draft_overrides["compilation_config"] = draft_compilation_config(
+            vllm_config.compilation_config
+        )
     draft_vllm_config = replace(
         vllm_config,
         parallel_config=_get_dspark_parallel_config(
@@ -156,7 +181,7 @@ def load_dspark_model(target_model: nn.Module, vllm_config: VllmConfig) -> nn.Mo
             else vllm_config.cache_config
         ),
         load_config=get_pp_safe_draft_load_config(get_draft_load_config(vllm_config)),
-        compilation_config=draft_compilation_config(vllm_config.compilation_config),
+        **draft_overrides,
     )
     # VllmConfig post-init restores the target's quant config because the target
     # config is retained for DSpark's target-layer metadata, so we must override it.
