@@ -294,7 +294,7 @@ def test_amd_layer_launches_no_more_than_the_baseline(budget, mode, cache):
 def body_measure_without_draft_kernels():
     """The AMD drafter built and run under the target's compiled config, as
     before the DSpark draft got its own kernels."""
-    kb._dspark_draft_kernels = lambda: None
+    kb._dspark_draft_kernels = lambda cls: None
     return kb.measure(module="amd", cache="bf16", mode="compiled")["counts"]
 
 

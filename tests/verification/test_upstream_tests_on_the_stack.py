@@ -34,7 +34,11 @@ def test_release_tests_of_the_drafter_pass_on_the_stack(tmp_path: Path):
     test_file.parent.mkdir(parents=True)
     test_file.write_text(pristine_source(TEST_FILE))
     report = tmp_path / "report.xml"
-    env = {**os.environ, "PYTHONPATH": str(TREE)}
+    # The tree first; what the test run put on the path (its read tracker)
+    # stays, made absolute for the scratch folder.
+    inherited = [str(Path(p).resolve()) for p in
+                 os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TREE), *inherited])}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          f"--junitxml={report}", str(test_file)],
