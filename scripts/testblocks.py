@@ -53,19 +53,20 @@ class Blocks:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 name = prefix + node.name
-                self.digests[name] = _digest(node)
+                # Two defs of one name (`if X: def f` / `else: def f`): both count.
+                self.digests[name] = _digest(node, self.digests.get(name, ""))
                 if any(_decorator_name(d) not in _STATELESS_DECORATORS
                        for d in node.decorator_list):
                     self.stateful.add(name)
             elif isinstance(node, ast.ClassDef):
                 self._visit(node.body, f"{prefix}{node.name}.")
-            elif isinstance(node, (ast.If, ast.Try, ast.With)):
-                # `if TYPE_CHECKING:`, `try: import x`: definitions under them are
-                # still the module's (or the class's).
-                for part in ("body", "orelse", "finalbody"):
-                    self._visit(getattr(node, part, []), prefix)
-                for handler in getattr(node, "handlers", []):
-                    self._visit(handler.body, prefix)
+            else:
+                # `if TYPE_CHECKING:`, `try: import x`, `for`, `while`, `with`,
+                # `match ...: case _:`: definitions under any compound statement are
+                # still the module's (or the class's). _Skeleton strips their bodies
+                # too, so a def missed here would change no block at all.
+                for block in _bodies(node):
+                    self._visit(block, prefix)
 
     def block_of(self, qualname: str) -> str:
         """The block a code object of this file with `qualname` belongs to: the
@@ -133,8 +134,19 @@ def affected_tests(coverage: dict, changes: dict[str, tuple[str, str]]) -> tuple
     return chosen, ""
 
 
-def _digest(node: ast.AST) -> str:
-    return hashlib.sha256(ast.dump(node, include_attributes=False).encode()).hexdigest()
+def _digest(node: ast.AST, before: str = "") -> str:
+    return hashlib.sha256((before + ast.dump(node, include_attributes=False)).encode()
+                          ).hexdigest()
+
+
+def _bodies(node: ast.stmt) -> list[list[ast.stmt]]:
+    """The statement lists a compound statement holds: its bodies, its `else` and
+    `finally`, its handlers' (`except`, `except*`) and its cases' bodies."""
+    bodies = [getattr(node, part) for part in ("body", "orelse", "finalbody")
+              if isinstance(getattr(node, part, None), list)]
+    for holder in (*getattr(node, "handlers", []), *getattr(node, "cases", [])):
+        bodies.append(holder.body)
+    return bodies
 
 
 def _decorator_name(node: ast.expr) -> str:
