@@ -1,4 +1,11 @@
-"""Which tests of a unit can see a change: the per-test half of `make test`'s reuse.
+"""Which tests of a unit ran a changed function: kept for per-test narrowing.
+
+`make test` does not use this module: the tests of a unit share one pytest
+process, and a test can observe what another ran (a cache filled by the
+first test that asked), so only a whole unit is carried over (README.md,
+"A result is carried over only when..."). Narrowing with it is sound only
+for tests that each run in a process of their own. What follows says what
+it computes.
 
 A unit (one pytest process of one test file, scripts/testrun.py) is keyed by
 what it reads of the vLLM tree (scripts/testdeps.py). When a read file
@@ -7,7 +14,7 @@ changes, the unit would run whole; yet a patch that edits one function of
 also records, per test, which functions of the tree it ran
 (scripts/reads/k3_pertest.py). This module compares two versions of the
 tree's Python files block by block and picks the tests that ran a block that
-changed; `make test` runs only those and carries the others' results over.
+changed.
 
 A file's blocks are its functions (a method is `Class.method`; what a
 function nests, lambdas and comprehensions included, is part of it) and its

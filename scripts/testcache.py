@@ -21,9 +21,10 @@ recorded, so it always runs again. Any doubt is a new key: a cache miss
 costs minutes, a stale green would hide a failure. A command that runs
 again says which of its key's inputs changed since its last green run.
 
-A unit also keeps which of the tree's functions each of its tests ran
-(scripts/testblocks.py): when only function bodies changed, it runs again
-only the tests that ran one of them, and carries the others' results over.
+A result is reused whole or not at all: a unit whose inputs changed runs
+every one of its tests again. Its tests share one process, so any of them
+can observe what another ran (a cache filled by the first test that asked);
+only a run of the whole unit equals a fresh one.
 
 build/test-results/summary.json describes the latest run (rows, counts,
 commands, what was reused, wall time): `make bench` prints it and `make
@@ -263,24 +264,16 @@ class ResultStore:
 
     def record_green(self, key: str, record: dict) -> None:
         """Keep `record` (its "outcome" passed) under `key`, and as the latest
-        green of its "name" (what a rerun compares its inputs with), in any row
-        and in its own."""
+        green of its "name" (what a rerun compares its inputs with)."""
         if record["outcome"]["failed"]:
             return  # a failure is never reused: the next run tries again
         record = {**record, "key": key, "date": now()}
         _write_json(self.dir / "green" / f"{key}.json", record)
         _write_json(self.dir / "latest" / f"{_slug(record['name'])}.json", {"key": key})
-        self.mark_latest(record["name"], record["row"], key)
 
-    def mark_latest(self, name: str, row: str, key: str) -> None:
-        """Make the green record under `key` the latest of `name` in `row` (a row
-        that reuses another's result has it as its own)."""
-        _write_json(self.dir / "latest" / f"{_slug(name + chr(0) + row)}.json", {"key": key})
-
-    def latest_green(self, name: str, row: str | None = None) -> dict | None:
-        """The latest green record of `name` (in `row`, if given)."""
-        slug = _slug(name if row is None else name + chr(0) + row)
-        pointer = _read_json(self.dir / "latest" / f"{slug}.json")
+    def latest_green(self, name: str) -> dict | None:
+        """The latest green record of `name`, in any row."""
+        pointer = _read_json(self.dir / "latest" / f"{_slug(name)}.json")
         return self.green(pointer["key"]) if pointer else None
 
     # What units read: each Reads once (by id), and per unit the ids it has had.
@@ -305,25 +298,6 @@ class ResultStore:
         index = _read_json(self.dir / "reads" / f"{identity}.json") or {"reads": []}
         ids = [reads.id] + [i for i in index["reads"] if i != reads.id]
         _write_json(self.dir / "reads" / f"{identity}.json", {"reads": ids[:keep]})
-
-    # Per-test records of units (reads/k3_pertest.py), each once, by id.
-
-    def add_coverage(self, coverage: dict) -> str:
-        data = json.dumps(coverage, sort_keys=True).encode()
-        coverage_id = hashlib.sha256(data).hexdigest()
-        blob = self.dir / "coverage" / f"{coverage_id}.json.gz"
-        if not blob.exists():
-            _write_bytes(blob, gzip.compress(data, mtime=0))
-        return coverage_id
-
-    def coverage(self, coverage_id: str | None) -> dict | None:
-        if not coverage_id:
-            return None
-        try:
-            return json.loads(gzip.decompress(
-                (self.dir / "coverage" / f"{coverage_id}.json.gz").read_bytes()))
-        except (FileNotFoundError, OSError, ValueError):
-            return None
 
     # The project's files per digest, to say which changed.
 

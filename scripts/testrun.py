@@ -35,7 +35,6 @@ table ends the run; any failure makes the exit status non-zero.
 from __future__ import annotations
 
 import ast
-import json
 import os
 import shlex
 import subprocess
@@ -67,7 +66,6 @@ from scripts.testcache import (
     what_changed,
     working_tree_id,
 )
-from scripts.testblocks import affected_tests
 from scripts.testdeps import TRACKER_DIR, Reads, TreeIndex, tracker_env
 from scripts.venv import venv_python
 
@@ -80,8 +78,7 @@ LOG_TAIL = 40  # lines of a failing command's output shown as it fails
 _VALUED_OPTIONS = frozenset({"-p", "--deselect", "-k", "-m"})  # what the rows pass
 # humming, which vLLM's quantization layers import, starts two Python builds of
 # its CUDA helpers in the background at every import: 9 s of CPU each time a
-# process imports vLLM, for kernels no CPU test loads, and processes that make
-# the tests after them "whole" while they run (scripts/reads/k3_pertest.py).
+# process imports vLLM, for kernels no CPU test loads.
 # A value in the environment wins (and is in every key: testcache.py).
 QUIET_BUILDS = {"HUMMING_DISABLE_PARALLEL_BUILD": "1"}
 
@@ -433,12 +430,10 @@ def _pytest_job(layout: Layout, suite: str, check: str, title: str, args: list[s
     command = _retypable(layout, args, cwd, path)
     where = rel(cwd, layout)
 
-    def run(log: Path, reads_log: Path | None = None, tests: list[str] | None = None) -> Part:
-        """Run it (only `tests`, node ids, if given)."""
+    def run(log: Path, reads_log: Path | None = None) -> Part:
         if checkout:
             checkout()
-        chosen = args if tests is None else _options(args) + tests
-        part = _pytest(layout, chosen, cwd, path, log, reads_log, tracked, servers)
+        part = _pytest(layout, args, cwd, path, log, reads_log, tracked, servers)
         part.command, part.where = command, where
         return part
 
@@ -461,17 +456,6 @@ def _test_file_count(cwd: Path, args: list[str]) -> int:
         if not word.startswith("-") and path.exists():
             count += len(list(path.rglob("test_*.py"))) if path.is_dir() else 1
     return max(count, 1)
-
-
-def _options(args: list[str]) -> list[str]:
-    """pytest's options of `args`, without the files and tests it names."""
-    kept, words = [], iter(args)
-    for word in words:
-        if word in _VALUED_OPTIONS:
-            kept += [word, next(words)]
-        elif word.startswith("-"):
-            kept.append(word)
-    return kept
 
 
 def _retypable(layout: Layout, args: list[str], cwd: Path, path: list[Path]) -> str:
@@ -502,7 +486,7 @@ def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: P
     if tracked is not None and reads_log is not None:
         env["PYTHONPATH"] = f"{TRACKER_DIR}{os.pathsep}{env['PYTHONPATH']}"
         env.update(tracker_env(reads_log, tracked, [layout.root / p for p in sorted(
-            NOT_PROJECT_INPUTS)], read_state(layout.tree)["base_tag"], per_test=True))
+            NOT_PROJECT_INPUTS)], read_state(layout.tree)["base_tag"]))
     pytest_args = ["-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args]
     start = time.monotonic()
     served = None
@@ -605,7 +589,7 @@ class Runner:
         return len(chain) * (last["outcome"]["seconds"] if last else 60.0 * chain[0].files)
 
     def _one(self, job: Job, logs: Path) -> Part:
-        coverage = None
+        """Reuse a green run of `job` under its key, or run it whole."""
         if job.tracked:
             identity, material = self.context.unit(check=job.check, command=job.command)
             index = self._index(job.tree)
@@ -613,28 +597,24 @@ class Runner:
                 key = unit_key(identity, reads, reads.digest(index, self.layout.root))
                 if record := self.store.green(key):
                     return self._reused(job, record)
-            narrowed, why_all = (None, "") if self.fresh else self._narrowed(job, material)
-            if narrowed is not None:
-                return self._run_narrowed(job, identity, material, index, logs, *narrowed)
         else:
             key, material = self.context.key(self.layout.root, check=job.check,
                                              vllm_tree=job.tree, command=job.command,
                                              inputs=job.inputs)
             if record := (None if self.fresh else self.store.green(key)):
                 return self._reused(job, record)
-            why_all = ""
-        changed = self._why(job, material) + ([f"every test: {why_all}"] if why_all else [])
-        self._say(job, "run ", ("; ".join(changed) if changed else "") or "first run")
+        changed = self._why(job, material)
+        self._say(job, "run ", "; ".join(changed) or "first run")
         log = self._log(logs, job)
         if job.tracked:
-            part, reads, coverage = self._tracked_run(job, log, logs)
+            part, reads = self._tracked_run(job, log, logs)
             self.store.add_reads(identity, reads)
             key = unit_key(identity, reads, reads.digest(index, self.layout.root))
         else:
             part = job.run(log)
             reads = None
         part.changed, part.title = changed, job.title
-        self._finish(job, part, key, material, reads, coverage)
+        self._finish(job, part, key, material, reads)
         return part
 
     def _log(self, logs: Path, job: Job) -> Path:
@@ -642,36 +622,23 @@ class Runner:
         log.parent.mkdir(parents=True, exist_ok=True)
         return log
 
-    def _tracked_run(self, job: Job, log: Path, logs: Path,
-                     tests: list[str] | None = None) -> tuple[Part, Reads, dict | None]:
-        """Run a unit (only `tests`, if given) under the read tracker: its part,
-        what it read and its per-test record (None if none was written)."""
+    def _tracked_run(self, job: Job, log: Path, logs: Path) -> tuple[Part, Reads]:
+        """Run a unit under the read tracker: its part and what it read."""
         with tempfile.NamedTemporaryFile(prefix="reads-", suffix=".log",
                                          dir=logs) as reads_log:
-            record = Path(reads_log.name + ".tests.json")
-            try:
-                part = job.run(log, Path(reads_log.name), tests)
-                reads = Reads.parse(Path(reads_log.name).read_text(errors="replace"),
-                                    job.tracked, self.layout.root)
-                coverage = json.loads(record.read_text()) if record.exists() else None
-            finally:  # and the plugin's scratch copy, if it was killed while writing,
-                # and the records of subprocesses that outlived their tests
-                for path in (record, Path(f"{record}.part"),
-                             *Path(reads_log.name).parent.glob(
-                                 f"{Path(reads_log.name).name}.child-*")):
-                    path.unlink(missing_ok=True)
-        return part, reads, coverage
+            part = job.run(log, Path(reads_log.name))
+            reads = Reads.parse(Path(reads_log.name).read_text(errors="replace"),
+                                job.tracked, self.layout.root)
+        return part, reads
 
-    def _finish(self, job: Job, part: Part, key: str | None, material: dict,
-                reads: Reads | None, coverage: dict | None) -> None:
-        """Keep a part that passed under its key (if it has one), and say how it ended."""
+    def _finish(self, job: Job, part: Part, key: str, material: dict,
+                reads: Reads | None) -> None:
+        """Keep a part that passed under its key, and say how it ended."""
         part.where = job.where or part.where
-        if key is not None:
-            self.store.record_green(key, {
-                "name": self._name(job), "row": job.row, "tree": job.tree,
-                "material": material, "reads": reads.id if reads else None,
-                "tests": self.store.add_coverage(coverage) if coverage else None,
-                "outcome": asdict(part)})
+        self.store.record_green(key, {
+            "name": self._name(job), "row": job.row, "tree": job.tree,
+            "material": material, "reads": reads.id if reads else None,
+            "outcome": asdict(part)})
         counts = f"{part.passed} passed, {part.failed} failed, {part.skipped} skipped"
         self._say(job, "FAIL" if part.failed else "ok  ",
                   f"{counts}, {part.seconds:.0f} s" + (f"; {part.note}" if part.note else ""))
@@ -679,91 +646,15 @@ class Runner:
             lines = (self.layout.root / part.log).read_text(errors="replace").splitlines()
             say("    " + "\n    ".join(lines[-LOG_TAIL:]) + f"\n    (all of it: {part.log})")
 
-    def _narrowed(self, job: Job, material: dict) -> tuple[tuple | None, str]:
-        """Whether only some tests of a unit can see what changed since a green
-        run of it (scripts/testblocks.py): (that record, what changed, the tests
-        to run), or None and why every test runs ("" if there is no such run).
-        The candidates: its last green run in this row (after a change to one
-        patch, the same tree but that change), and in any row (the tree of the
-        prefix before, in a first run); the one with fewer tests to run wins."""
-        name = self._name(job)
-        candidates = {last["key"]: last for last in (self.store.latest_green(name, job.row),
-                                                     self.store.latest_green(name)) if last}
-        found = [self._narrowed_from(job, material, last) for last in candidates.values()]
-        if narrowed := [f for f in found if f[0] is not None]:
-            return min(narrowed, key=lambda f: len(f[0][-1]))
-        return next((f for f in found if f[1]), (None, ""))
-
-    def _narrowed_from(self, job: Job, material: dict, last: dict) -> tuple[tuple | None, str]:
-        if last.get("material") != material or not last.get("tree"):
-            return None, ""
-        coverage = self.store.coverage(last.get("tests"))
-        reads = self.store.reads_by_id(last["reads"]) if last.get("reads") else None
-        if coverage is None or reads is None or reads.opaque:
-            return None, ""
-        try:
-            before, after = self._index(last["tree"]), self._index(job.tree)
-        except StackError:
-            return None, ""  # its tree is gone from the repository
-        changes = {}
-        for entry in reads.changed_entries(before, after, self.layout.root):
-            kind, path = entry.split(" ", 1)
-            old, new = before.blob(path), after.blob(path)
-            if kind not in ("r", "s", "k") or not path.endswith(".py") or not (old and new):
-                return None, f"{path} changed, and not only inside a Python file"
-            changes[path] = (self._source(old), self._source(new))
-        chosen, why = affected_tests(coverage, changes)
-        if chosen is None:
-            return None, why
-        return (last, coverage, reads, sorted(changes), chosen), ""
-
-    def _run_narrowed(self, job: Job, identity: str, material: dict, index: TreeIndex,
-                      logs: Path, last: dict, coverage: dict, reads: Reads,
-                      paths: list[str], chosen: list[str]) -> Part:
-        """Run the tests of a unit that can see what changed since `last`; carry
-        the others' results over, and keep the whole under the unit's new key."""
-        tests = coverage["tests"]
-        since = f"since {last['row']}: " + ", ".join(paths[:3]) + (
-            f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-        if not chosen:
-            self.store.record_green(unit_key(identity, reads, reads.digest(
-                index, self.layout.root)), {**last, "row": job.row, "tree": job.tree})
-            return self._reused(job, last, f"no test runs what changed {since}")
-        some = f"{len(chosen)} of {len(tests)} tests"
-        self._say(job, "run ", f"{some} run what changed {since}")
-        part, new_reads, new_coverage = self._tracked_run(job, self._log(logs, job), logs,
-                                                          chosen)
-        part.title, part.changed = job.title, [f"{some}: what they run changed {since}"]
-        part.note = (part.note + "; " if part.note else "") + f"ran {some}"
-        if part.failed or new_coverage is None:
-            self._finish(job, part, None, material, None, None)
-            return part
-        for nodeid in tests.keys() - set(chosen):
-            if tests[nodeid].get("outcome") == "skipped":
-                part.skipped += 1
-            else:
-                part.passed += 1
-        reads = Reads(reads.entries | new_reads.entries,
-                      tuple(sorted(set(reads.opaque) | set(new_reads.opaque))))
-        self.store.add_reads(identity, reads)
-        key = unit_key(identity, reads, reads.digest(index, self.layout.root))
-        self._finish(job, part, key, material, reads,
-                     _merge_coverage(coverage, new_coverage, chosen))
-        return part
-
-    def _source(self, blob: str) -> str:
-        return git(self.layout.tree, "cat-file", "blob", blob).stdout
-
-    def _reused(self, job: Job, record: dict, why: str = "") -> Part:
+    def _reused(self, job: Job, record: dict) -> Part:
         saved = record["outcome"]
         # The counts of the run it repeats (in whichever tree), as this row's command.
         part = Part(**{**saved, "reused": {"date": record["date"], "key": record["key"],
                                            "seconds": saved["seconds"], "row": record["row"]},
                        "changed": [], "title": job.title, "where": job.where or saved["where"],
                        "command": job.retype or saved["command"], "log": ""})
-        self._say(job, "same", why or f"green at {shown_date(record['date'])} under key "
+        self._say(job, "same", f"green at {shown_date(record['date'])} under key "
                   f"{record['key'][:12]}")
-        self.store.mark_latest(self._name(job), job.row, record["key"])
         return part
 
     def _why(self, job: Job, material: dict) -> list[str]:
@@ -796,21 +687,6 @@ class Runner:
             if verdict != "run ":
                 self._done += 1
             say(f"  {verdict} [{self._done}/{self._total}] {job.row}: {job.title}  ({detail})")
-
-
-def _merge_coverage(old: dict, new: dict, rerun: list[str]) -> dict:
-    """A unit's per-test record after running only `rerun`: theirs from `new`,
-    the others' from `old`; what ran outside the tests, from both."""
-    shared = {"code": {}, "data": [], "whole": []}
-    for record in (old, new):
-        part = record.get("shared", {})
-        for path, names in part.get("code", {}).items():
-            shared["code"][path] = sorted(set(shared["code"].get(path, [])) | set(names))
-        shared["data"] = sorted(set(shared["data"]) | set(part.get("data", [])))
-        shared["whole"] = sorted(set(shared["whole"]) | set(part.get("whole", [])))
-    ran = set(rerun)
-    tests = {n: (new["tests"].get(n, t) if n in ran else t) for n, t in old["tests"].items()}
-    return {"shared": shared, "tests": tests}
 
 
 def _slug(text: str) -> str:

@@ -1,0 +1,99 @@
+"""A result `make test` reuses equals what a fresh run of the same tests gives.
+
+Each case is one that once came out green where a fresh run failed (issue
+31): the suite project of test_testcache.py after a green run, an edit that
+makes a fresh run of a unit fail, and `make test` (its Python entry) run
+again, which must fail too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tooling import test_testcache
+from tests.tooling.conftest import FOO_PATCHED, TEST_FOO_PATCHED
+from tests.tooling.test_testcache import FOO, _ran, _test
+
+suites = test_testcache.suites  # the fixture: its green project, built once per session
+
+# A cache of built objects, as vLLM's get_rope keeps them in _ROPE_DICT: only
+# the first test that asks for a key runs Rope.__init__.
+ROPE = FOO_PATCHED + """
+
+_ROPE_DICT = {}
+
+
+class Rope:
+    def __init__(self, key):
+        self.first = 1
+        self.second = 2
+
+
+def get_rope(key):
+    if key not in _ROPE_DICT:
+        _ROPE_DICT[key] = Rope(key)
+    return _ROPE_DICT[key]
+"""
+TEST_ROPE = TEST_FOO_PATCHED + """
+
+def test_rope_first():
+    from vllm.models.foo import get_rope
+
+    assert get_rope("a").first == 1
+
+
+def test_rope_second():
+    from vllm.models.foo import get_rope
+
+    assert get_rope("a").second == 2
+"""
+TEST_SCALE = TEST_FOO_PATCHED + """
+
+def test_scale():
+    from vllm.models.foo import scale
+
+    assert scale() == 2
+"""
+
+
+def _edit(project, path: str, text: str) -> None:
+    """An uncommitted edit in build/vllm (the stack row tests the working tree).
+    Each edit changes the file's size: Python's bytecode cache would take an
+    edit of the same size within the second its .pyc was written for none."""
+    (project.tree / path).write_text(text)
+
+
+def _fresh_agrees(project, expected: int) -> None:
+    """`make test ONLY=stack` gives `expected`, and so does a fresh run of it."""
+    assert _test(project, only="stack") == expected
+    assert _test(project, fresh=True, only="stack") == expected
+
+
+def test_state_shared_across_tests_is_seen_by_every_test(suites):
+    """Case 1: test_rope_second never runs Rope.__init__ (the first test built
+    the object it gets), yet sees what it did: a change there reruns the unit."""
+    _edit(suites, "vllm/models/foo.py", ROPE)
+    _edit(suites, "tests/test_foo.py", TEST_ROPE)
+    _fresh_agrees(suites, 0)
+    _ran(suites)
+    _edit(suites, "vllm/models/foo.py", ROPE.replace("self.second = 2", "self.second = -2"))
+    assert _test(suites, only="stack") == 1
+    assert _ran(suites) == {("stack", FOO)}
+
+
+@pytest.mark.parametrize("wrapped", [
+    "match 1:\n    case _:\n        def scale():\n            return 2\n",
+    "for _ in [0]:\n    def scale():\n        return 2\n",
+    "while True:\n    def scale():\n        return 2\n    break\n",
+    "try:\n    pass\nexcept* ValueError:\n    pass\nelse:\n    def scale():\n        return 2\n",
+], ids=["match", "for", "while", "try-except-star-else"])
+def test_a_def_under_a_compound_statement_reruns_its_unit(suites, wrapped):
+    """Case 2: a def that a module-level `match`, `for`, `while` or `try` holds."""
+    _edit(suites, "vllm/models/foo.py", FOO_PATCHED + "\n\n" + wrapped)
+    _edit(suites, "tests/test_foo.py", TEST_SCALE)
+    _fresh_agrees(suites, 0)
+    _ran(suites)
+    edited = wrapped.replace("return 2", "return -2")
+    _edit(suites, "vllm/models/foo.py", FOO_PATCHED + "\n\n" + edited)
+    assert _test(suites, only="stack") == 1
+    assert _ran(suites) == {("stack", FOO)}
