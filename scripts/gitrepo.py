@@ -107,6 +107,23 @@ def read_state(tree: Path) -> dict:
     return state
 
 
+def release_commit(layout: Layout) -> str:
+    """The commit of the pristine release tag, which must be the one `make apply`
+    imported: a tag moved elsewhere would make every diff against it wrong
+    (the stack's files and tests, the overlay)."""
+    tree = layout.tree
+    state = read_state(tree)
+    tag, imported = state["base_tag"], state.get("base_commit")
+    commit = git(tree, "rev-parse", "-q", "--verify", f"{tag}^{{commit}}",
+                 check=False).stdout.strip()
+    if imported and commit != imported:
+        where = rel(tree, layout)
+        raise StackError(f"{where}: tag {tag} points at {commit[:12] or 'nothing'}, not at the "
+                         f"release commit {imported[:12]} that make apply imported; put it "
+                         f"back with `git -C {where} tag -f {tag} {imported}`")
+    return commit
+
+
 def write_state(tree: Path, **updates) -> None:
     state = {**read_state(tree), **updates}
     tmp = state_path(tree).with_suffix(".tmp")

@@ -7,9 +7,10 @@ cannot be left out:
 - the project's files, except those made from build/vllm (patches/,
   vllm_overlay/) and prose (README.md, docs/): so scripts/, tests/,
   requirements/*.lock, pin.toml (hence the wheel's kernels), pytest.ini;
-- the pristine release's git tree id, the two venvs (pyvenv.cfg and the build
-  stamp recording the installed lock and tree), the interpreter, platform and
-  git version, and the environment variables that steer vLLM, torch or pytest.
+- the pristine release's git tree id and commit, the two venvs (pyvenv.cfg and
+  the build stamp recording the installed lock and tree), the interpreter,
+  platform and git version, and every environment variable but those that
+  change no test's outcome (_UNKEYED_ENV: the terminal's, make's).
 A command adds what it checks and how (its command line), and what it
 reads of the vLLM tree it tests: a unit the digest of the paths it read
 there (scripts/testdeps.py), any other command that tree's git tree id;
@@ -47,11 +48,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from scripts.common import Layout, run
-from scripts.gitrepo import git
+from scripts.gitrepo import git, release_commit
 from scripts.lock import ENVIRONMENTS
 from scripts.testdeps import Reads, TreeIndex
 
-FORMAT = 2
+FORMAT = 3
 RESULTS = "test-results"
 # Made from build/vllm (keyed by its tree id instead) or prose no test reads.
 # A row that does read one of them lists it in Row.inputs.
@@ -60,17 +61,30 @@ NOT_PROJECT_INPUTS = frozenset({"patches", "vllm_overlay", "docs", "README.md"})
 # (.k3-stack.running: the project lock's note, git-ignored in a checkout.)
 _NEVER = frozenset({"build", ".cache", ".venv", ".venv-lint", ".git", "__pycache__",
                     ".pytest_cache", ".mypy_cache", ".ruff_cache", ".k3-stack.running"})
-# Environment variables that can change what a test does. (Not all of PYTEST_*:
-# pytest sets PYTEST_CURRENT_TEST itself.)
-_STEERING_PREFIXES = ("VLLM_", "TORCH", "PYTORCH_", "CUDA_", "HIP_", "HSA_", "ROCR_",
-                      "ROCM_", "TRITON_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_",
-                      "HUMMING_")
-_STEERING_NAMES = frozenset({"PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTHONHASHSEED",
-                             "PYTHONWARNINGS", "PYTHONOPTIMIZE"})
-# The Makefile's own (`make rebase VLLM_VERSION=...`), exported, empty, to every
-# recipe: vLLM reads no such variable, and `make test` and `python3 -m scripts
-# test` (as `mutate` runs it) must share their keys.
-_TOOLING_NAMES = frozenset({"VLLM_VERSION"})
+# Environment variables that change no test's outcome; every other one is in
+# every key, as a digest of its value (a test may read any: K3_ROCM_ARCH,
+# K3_PRISTINE_GIT_DIR, HOME, PATH; and the values, tokens among them, stay
+# off the disk). Named here: the terminal's and the login session's, make's
+# own and the variables typed on its command line (exported, FRESH and ONLY
+# among them; VLLM_VERSION exported empty to every recipe), how many commands
+# run at once, and what pytest sets in each test process itself.
+_UNKEYED_ENV = frozenset({
+    "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "MAKE_TERMOUT", "MAKE_TERMERR",
+    "FRESH", "ONLY", "FORCE", "VLLM_VERSION", "K3_TEST_FRESH", "K3_TEST_JOBS",
+    "PYTEST_CURRENT_TEST",
+    "PWD", "OLDPWD", "SHLVL", "_", "TERM", "COLORTERM", "COLUMNS", "LINES", "LS_COLORS",
+    "TERM_PROGRAM", "TERM_PROGRAM_VERSION", "TERM_SESSION_ID", "WINDOWID", "DISPLAY",
+    "XAUTHORITY", "TMUX", "TMUX_PANE", "STY", "WINDOW", "MAIL", "PS1", "PS2",
+    "PROMPT_COMMAND", "HISTSIZE", "HISTFILESIZE", "HISTCONTROL", "SSH_AUTH_SOCK",
+    "SSH_AGENT_PID", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "GPG_AGENT_INFO",
+    "DBUS_SESSION_BUS_ADDRESS", "XDG_SESSION_ID", "XDG_SESSION_TYPE", "XDG_SESSION_CLASS",
+    "XDG_SEAT", "XDG_VTNR", "EDITOR", "VISUAL", "PAGER", "LESS", "LESSOPEN", "LESSCLOSE"})
+
+
+def keyed_environment(environ: dict[str, str]) -> dict[str, str]:
+    """Each variable that may change a test's outcome, with a digest of its value."""
+    return {k: hashlib.sha256(v.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+            for k, v in sorted(environ.items()) if k not in _UNKEYED_ENV}
 
 
 def now() -> str:
@@ -176,18 +190,16 @@ class KeyContext:
             folder = env.path(layout)
             venvs[env.name] = {name: _read_or_none(folder / name)
                                for name in ("pyvenv.cfg", "k3-stack-build.json")}
-        steering = {k: v for k, v in sorted(os.environ.items())
-                    if (k.startswith(_STEERING_PREFIXES) or k in _STEERING_NAMES)
-                    and k not in _TOOLING_NAMES}
         files = file_digests(layout.root)
         return cls({
             "format": FORMAT,
             "project": _digest(files),
             "base_tree": tree_id(layout.tree, base),
+            "base_commit": release_commit(layout),
             "venvs": venvs,
             "platform": [platform.platform(), platform.machine(), sys.version,
                          git(layout.tree, "--version").stdout.strip()],
-            "environment": steering,
+            "environment": keyed_environment(dict(os.environ)),
         }, files)
 
     def key(self, root: Path, *, check: str, vllm_tree: str | None,
@@ -226,7 +238,8 @@ def what_changed(before: dict, after: dict, store: ResultStore) -> list[str]:
                     how = "added" if path not in old else "removed" if path not in new else (
                         "changed")
                     said.append(f"{path} {how}")
-    names = {"base_tree": "the pristine release", "venvs": "the venvs (.venv, .venv-lint)",
+    names = {"base_tree": "the pristine release", "base_commit": "the release tag's commit",
+             "venvs": "the venvs (.venv, .venv-lint)",
              "platform": "the interpreter, platform or git", "command": "its command",
              "check": "its check", "inputs": "the project paths it reads",
              "format": "the result format of make test"}
@@ -270,6 +283,11 @@ class ResultStore:
         record = {**record, "key": key, "date": now()}
         _write_json(self.dir / "green" / f"{key}.json", record)
         _write_json(self.dir / "latest" / f"{_slug(record['name'])}.json", {"key": key})
+
+    def forget_greens(self, keys: list[str]) -> None:
+        """Drop the green records under `keys`: a run under them failed."""
+        for key in keys:
+            (self.dir / "green" / f"{key}.json").unlink(missing_ok=True)
 
     def latest_green(self, name: str) -> dict | None:
         """The latest green record of `name`, in any row."""

@@ -130,7 +130,9 @@ def suites(project, tmp_path_factory, tmp_path, monkeypatch):
     """The suite project after one green `make test` (built once, copied per test)."""
     monkeypatch.setattr(testrun, "_lint", _fake_lint)
     monkeypatch.setattr(testrun, "_hadolint", _fake_hadolint)
-    monkeypatch.setenv("FAKE_RUN_LOG", str(tmp_path / "runs.log"))
+    # One path for every test: each environment variable is part of every key.
+    monkeypatch.setenv("FAKE_RUN_LOG", str(tmp_path_factory.getbasetemp() / "fake-runs.log"))
+    Path(os.environ["FAKE_RUN_LOG"]).unlink(missing_ok=True)
     monkeypatch.setenv(testrun.JOBS_ENV, "2")
     for name in ("K3_TEST_FRESH", "FAKE_VERIFY_NEEDS", "PYTHONDONTWRITEBYTECODE"):
         monkeypatch.delenv(name, raising=False)

@@ -82,6 +82,16 @@ def test_summary_ends_with_the_closing_line_ci_reads(capsys, failed, code):
     assert last == f"5 passed, {failed} failed, 1 skipped"
 
 
+@pytest.mark.parametrize("outcomes", [[], [testrun.Outcome("stack")],
+                                      [testrun.Outcome("stack (ROCm)", skipped=3)]],
+                         ids=["no-row", "empty-row", "all-skipped"])
+def test_a_run_that_checked_nothing_is_no_green(capsys, outcomes):
+    """An empty result set proves nothing (issue 31, case 7: a moved release tag
+    left the stack row without tests, and it said `0 passed, 0 failed`, exit 0)."""
+    assert testrun._summarize(outcomes) == 1
+    assert "nothing was checked" in capsys.readouterr().out
+
+
 def _layout_with_this_python(root: Path) -> Layout:
     """A project whose .venv python is the interpreter running these tests, which
     has pytest (a symlink to a venv's python would lose the venv)."""

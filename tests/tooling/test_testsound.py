@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from scripts.common import StackError
 from tests.tooling import test_testcache
-from tests.tooling.conftest import FOO_PATCHED, TEST_FOO_PATCHED
-from tests.tooling.test_testcache import FOO, _ran, _test
+from tests.tooling.conftest import FOO_PATCHED, TEST_FOO_PATCHED, TEST_FOO_V1, V1
+from tests.tooling.test_testcache import FOO, VERIFY, _ran, _test
 
 suites = test_testcache.suites  # the fixture: its green project, built once per session
 
@@ -97,3 +98,72 @@ def test_a_def_under_a_compound_statement_reruns_its_unit(suites, wrapped):
     _edit(suites, "vllm/models/foo.py", FOO_PATCHED + "\n\n" + edited)
     assert _test(suites, only="stack") == 1
     assert _ran(suites) == {("stack", FOO)}
+
+
+TEST_ARCH = TEST_FOO_PATCHED + """
+
+def test_arch():
+    import os
+
+    assert os.environ.get("K3_ROCM_ARCH", "gfx942") == "gfx942"
+    assert os.environ.get("MY_SWITCH", "off") == "off"
+"""
+
+
+@pytest.mark.parametrize("variable", ["K3_ROCM_ARCH=gfx9999", "MY_SWITCH=on",
+                                      "K3_PRISTINE_GIT_DIR=/elsewhere"],
+                         ids=["k3-rocm-arch", "any-variable", "pristine-git-dir"])
+def test_every_environment_variable_a_test_may_read_is_in_the_key(suites, monkeypatch,
+                                                                   variable):
+    """Case 5: a variable no list of vLLM's or torch's prefixes names."""
+    _edit(suites, "tests/test_foo.py", TEST_ARCH)
+    _fresh_agrees(suites, 0)
+    _ran(suites)
+    name, value = variable.split("=")
+    monkeypatch.setenv(name, value)
+    assert _test(suites, only="stack") == (0 if name == "K3_PRISTINE_GIT_DIR" else 1)
+    assert ("stack", FOO) in _ran(suites)
+
+
+def test_make_and_the_terminal_change_no_key(suites, monkeypatch):
+    """What make passes on (its flags, the variables typed after `make test`) and
+    the terminal's variables are read by no test: everything is reused."""
+    for name, value in {"MAKEFLAGS": " -- ONLY=stack", "MAKELEVEL": "1", "ONLY": "stack",
+                        "FRESH": "", "TERM": "dumb", "COLUMNS": "80", "OLDPWD": "/"}.items():
+        monkeypatch.setenv(name, value)
+    assert _test(suites) == 0
+    assert _ran(suites) == set()
+
+
+def test_a_moved_release_tag_is_refused(suites):
+    """Case 7: with the release tag on the stack's head, the stack would change
+    no test file and the stack row would check nothing."""
+    suites.git("tag", "-f", f"vllm-{V1}", "stack")
+    with pytest.raises(StackError, match=rf"^build/vllm: tag vllm-{V1} points at [0-9a-f]{{12}}, "
+                       r"not at the release commit [0-9a-f]{12} that make apply imported; put "
+                       rf"it back with `git -C build/vllm tag -f vllm-{V1} [0-9a-f]{{40}}`$"):
+        _test(suites, only="stack")
+    assert _ran(suites) == set()
+
+
+def test_a_row_with_nothing_to_check_is_no_green(suites, capsys):
+    """The stack changes no test file any more: `make test ONLY=stack` checks nothing."""
+    suites.commit("[ROCm] Drop the tests", {"tests/test_foo.py": TEST_FOO_V1,
+                                            "tests/test_new.py": None})
+    assert _test(suites, only="stack") == 1
+    out = capsys.readouterr().out
+    assert "nothing was checked" in out and out.strip().endswith("0 passed, 0 failed, 0 skipped")
+
+
+def test_a_failed_fresh_run_removes_the_greens_it_contradicts(suites, tmp_path, monkeypatch):
+    """FRESH=1 fails where a green was recorded (a condition outside every key
+    changed): the next plain run must not reuse that green."""
+    needed = tmp_path / "flaky-machine-is-ok"
+    needed.touch()
+    monkeypatch.setenv("FAKE_VERIFY_NEEDS", str(needed))
+    assert _test(suites) == 0
+    needed.unlink()
+    assert _test(suites, fresh=True, only="verification") == 1
+    _ran(suites)
+    assert _test(suites, only="verification") == 1
+    assert _ran(suites) == {("verification", VERIFY)}
