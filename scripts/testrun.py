@@ -558,7 +558,7 @@ class Runner:
     def __init__(self, layout: Layout, context: KeyContext, store: ResultStore, fresh: bool):
         self.layout, self.context, self.store, self.fresh = layout, context, store, fresh
         self.workers = max(1, int(os.environ.get(JOBS_ENV) or min(os.cpu_count() or 1, 4)))
-        self._trees: dict[str, TreeIndex] = {}
+        self._trees: dict[tuple[str | None, Path], TreeIndex] = {}
         self._lock = threading.Lock()
         self._done = 0
         self._total = 0
@@ -592,7 +592,7 @@ class Runner:
         """Reuse a green run of `job` under its key, or run it whole."""
         if job.tracked:
             identity, material = self.context.unit(check=job.check, command=job.command)
-            index = self._index(job.tree)
+            index = self._index(job.tree, job.tracked)
             # A key per set of reads the unit has had: what each sees in this tree.
             keys = [unit_key(identity, reads, reads.digest(index, self.layout.root))
                     for reads in self.store.reads(identity)]
@@ -681,11 +681,15 @@ class Runner:
         """A command's name over every tree and run: what it checks and how."""
         return " ".join([job.check, *job.command])
 
-    def _index(self, tree: str | None) -> TreeIndex:
+    def _index(self, tree: str | None, folder: Path) -> TreeIndex:
+        """The tree `tree` as checked out in `folder`, ignored files included
+        (once per run: the lookup of a unit's key and its record see the same).
+        A prefix's worktree is made afresh by each run (none, before its first
+        unit runs): no ignored file in it was put there by anyone else."""
         with self._lock:
-            if tree not in self._trees:
-                self._trees[tree] = TreeIndex(self.layout.tree, tree)
-            return self._trees[tree]
+            if (tree, folder) not in self._trees:
+                self._trees[tree, folder] = TreeIndex(self.layout.tree, tree, folder)
+            return self._trees[tree, folder]
 
     def _say(self, job: Job, verdict: str, detail: str) -> None:
         with self._lock:

@@ -8,6 +8,9 @@ again, which must fail too.
 
 from __future__ import annotations
 
+import py_compile
+from pathlib import Path
+
 import pytest
 
 from scripts.common import StackError
@@ -167,3 +170,50 @@ def test_a_failed_fresh_run_removes_the_greens_it_contradicts(suites, tmp_path, 
     _ran(suites)
     assert _test(suites, only="verification") == 1
     assert _ran(suites) == {("verification", VERIFY)}
+
+
+TEST_PLUGINS = TEST_FOO_PATCHED + """
+
+def test_plugin():
+    try:
+        from vllm.models import plugin
+    except ImportError:
+        return
+    assert plugin.OK
+
+
+def test_third_party():
+    from vllm.third_party import dep
+
+    assert dep.OK
+"""
+THIRD_PARTY = "vllm/third_party/dep/__init__.py"  # ignored by the tree's .gitignore
+
+
+def _compiled(tmp_path, source: str) -> bytes:
+    """A .pyc of `source` for this interpreter (the fake venv's python runs it)."""
+    (tmp_path / "plugin.py").write_text(source)
+    return Path(py_compile.compile(str(tmp_path / "plugin.py"),
+                                   cfile=str(tmp_path / "plugin.pyc"))).read_bytes()
+
+
+@pytest.mark.parametrize("how", ["so-shadows-a-module", "pyc-beside-no-source",
+                                 "ignored-source-edited"])
+def test_ignored_files_that_python_imports_are_in_the_key(suites, tmp_path, how):
+    """Case 4: git trees leave ignored files out; the import system does not.
+    A junk extension module shadows foo.py; a .pyc with no source beside it is
+    a module; a source under an ignored folder is imported like any other."""
+    _edit(suites, ".gitignore", (suites.tree / ".gitignore").read_text() + "*.pyc\n")
+    _edit(suites, "tests/test_foo.py", TEST_PLUGINS)
+    (suites.tree / THIRD_PARTY).parent.mkdir(parents=True)
+    _edit(suites, THIRD_PARTY, "OK = True\n")
+    _fresh_agrees(suites, 0)
+    _ran(suites)
+    if how == "so-shadows-a-module":
+        (suites.tree / "vllm/models/foo.abi3.so").write_bytes(b"junk\n")
+    elif how == "pyc-beside-no-source":
+        (suites.tree / "vllm/models/plugin.pyc").write_bytes(_compiled(tmp_path, "OK = False\n"))
+    else:
+        _edit(suites, THIRD_PARTY, "OK = False  # edited\n")
+    assert suites.git("status", "--porcelain", "--", "vllm") == ""  # all of it ignored
+    _fresh_agrees(suites, 1)
