@@ -7,8 +7,9 @@ cannot be left out:
 - the project's files, except those made from build/vllm (patches/,
   vllm_overlay/) and prose (README.md, docs/): so scripts/, tests/,
   requirements/*.lock, pin.toml (hence the wheel's kernels), pytest.ini;
-- the pristine release's git tree id and commit, the two venvs (pyvenv.cfg and
-  the build stamp recording the installed lock and tree), the interpreter,
+- the pristine release's git tree id and commit, the two venvs (pyvenv.cfg,
+  the build stamp recording the installed lock and tree, and the name, size
+  and modification time of each installed file), the interpreter,
   platform and git version, and every environment variable but those that
   change no test's outcome (_UNKEYED_ENV: the terminal's, make's).
 A command adds what it checks and how (its command line), and what it
@@ -190,6 +191,7 @@ class KeyContext:
             folder = env.path(layout)
             venvs[env.name] = {name: _read_or_none(folder / name)
                                for name in ("pyvenv.cfg", "k3-stack-build.json")}
+            venvs[env.name]["files"] = installed_files_digest(folder)
         files = file_digests(layout.root)
         return cls({
             "format": FORMAT,
@@ -249,6 +251,26 @@ def what_changed(before: dict, after: dict, store: ResultStore) -> list[str]:
         said.append("environment " + ", ".join(sorted(
             k for k in old.keys() | new.keys() if old.get(k) != new.get(k))))
     return said
+
+
+def installed_files_digest(folder: Path) -> str:
+    """sha256 over the name, size and modification time of every file in a venv:
+    an edit to an installed file (a hand fix in site-packages, a package
+    installed by hand) changes it, and a walk of stats costs a third of a second
+    for .venv's 60,000 files where hashing its 9 GB would cost a minute.
+    Bytecode caches are left out: Python writes them as the tests run."""
+    digest = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            try:
+                stat = os.lstat(path)
+            except FileNotFoundError:
+                continue  # removed while walking
+            digest.update(f"{os.path.relpath(path, folder)}\0{stat.st_mode}\0{stat.st_size}\0"
+                          f"{stat.st_mtime_ns}\0".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
 
 
 def _read_or_none(path: Path) -> str | None:

@@ -217,3 +217,28 @@ def test_ignored_files_that_python_imports_are_in_the_key(suites, tmp_path, how)
         _edit(suites, THIRD_PARTY, "OK = False  # edited\n")
     assert suites.git("status", "--porcelain", "--", "vllm") == ""  # all of it ignored
     _fresh_agrees(suites, 1)
+
+
+TEST_HELPER = TEST_FOO_PATCHED + """
+
+def test_helper():
+    import helper
+
+    assert helper.OK
+"""
+
+
+def test_an_edit_inside_the_venv_is_in_the_key(suites):
+    """Case 6: a package of .venv edited by hand (here a module its python finds)."""
+    venv = suites.root / ".venv"
+    python = venv / "bin" / "python"
+    site = venv / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    (site / "helper.py").write_text("OK = True\n")
+    python.write_text(python.read_text().replace(
+        "exec ", f'PYTHONPATH="$PYTHONPATH:{site}"; export PYTHONPATH\nexec '))
+    _edit(suites, "tests/test_foo.py", TEST_HELPER)
+    _fresh_agrees(suites, 0)
+    _ran(suites)
+    (site / "helper.py").write_text("OK = False  # edited\n")
+    _fresh_agrees(suites, 1)
