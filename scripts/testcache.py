@@ -44,11 +44,13 @@ import platform
 import shutil
 import sys
 import tempfile
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from scripts.common import Layout, run
+from scripts.common import SCRATCH_FILE_SUFFIX, Layout, rel, run, warn
 from scripts.gitrepo import git, release_commit
 from scripts.lock import ENVIRONMENTS
 from scripts.testdeps import Reads, TreeIndex
@@ -247,7 +249,8 @@ def what_changed(before: dict, after: dict, store: ResultStore) -> list[str]:
              "format": "the result format of make test"}
     said += [names[k] for k in names if before.get(k) != after.get(k)]
     if before.get("environment") != after.get("environment"):
-        old, new = before.get("environment") or {}, after.get("environment") or {}
+        old, new = (e if isinstance(e, dict) else {} for e in (before.get("environment"),
+                                                               after.get("environment")))
         said.append("environment " + ", ".join(sorted(
             k for k in old.keys() | new.keys() if old.get(k) != new.get(k))))
     return said
@@ -292,10 +295,21 @@ class ResultStore:
         self.dir = layout.build_dir / RESULTS
         self.dir.mkdir(parents=True, exist_ok=True)
 
+    def remove_leftovers(self) -> list[Path]:
+        """Remove what killed runs left (call under the project lock): the read
+        logs of the units that were running, the fork servers' logs, files
+        half written. Returns them."""
+        found = [path for pattern in ("logs/reads-*", "servers/server-*.reads",
+                                      f"*/.*{SCRATCH_FILE_SUFFIX}")
+                 for path in self.dir.glob(pattern) if path.is_file() and not path.is_symlink()]
+        for path in found:
+            path.unlink(missing_ok=True)
+        return found
+
     def green(self, key: str) -> dict | None:
         """The record of a green run under `key`, if there is one."""
-        record = _read_json(self.dir / "green" / f"{key}.json")
-        return record if record and record.get("key") == key and "outcome" in record else None
+        return _read_json(self.dir / "green" / f"{key}.json",
+                          lambda record: _is_green(record, key))
 
     def record_green(self, key: str, record: dict) -> None:
         """Keep `record` (its "outcome" passed) under `key`, and as the latest
@@ -313,49 +327,55 @@ class ResultStore:
 
     def latest_green(self, name: str) -> dict | None:
         """The latest green record of `name`, in any row."""
-        pointer = _read_json(self.dir / "latest" / f"{_slug(name)}.json")
+        pointer = _read_json(self.dir / "latest" / f"{_slug(name)}.json",
+                             lambda data: _has(data, key=str))
         return self.green(pointer["key"]) if pointer else None
 
     # What units read: each Reads once (by id), and per unit the ids it has had.
 
     def reads(self, identity: str) -> list[Reads]:
-        index = _read_json(self.dir / "reads" / f"{identity}.json") or {"reads": []}
-        found = (self.reads_by_id(i) for i in index["reads"])
+        found = (self.reads_by_id(i) for i in self._reads_ids(identity))
         return [r for r in found if r is not None]
 
+    def _reads_ids(self, identity: str) -> list[str]:
+        index = _read_json(self.dir / "reads" / f"{identity}.json",
+                           lambda data: _has(data, reads=list) and all(
+                               isinstance(i, str) for i in data["reads"]))
+        return index["reads"] if index else []
+
     def reads_by_id(self, reads_id: str) -> Reads | None:
-        try:
-            data = json.loads(gzip.decompress((self.dir / "reads" / f"{reads_id}.json.gz")
-                                              .read_bytes()))
-        except (FileNotFoundError, OSError, ValueError):
-            return None
-        return Reads.from_json(data)
+        data = _read_json(self.dir / "reads" / f"{reads_id}.json.gz", _is_reads)
+        return Reads.from_json(data) if data else None
 
     def add_reads(self, identity: str, reads: Reads, keep: int = 8) -> None:
-        blob = self.dir / "reads" / f"{reads.id}.json.gz"
-        if not blob.exists():
-            _write_bytes(blob, gzip.compress(json.dumps(reads.to_json()).encode(), mtime=0))
-        index = _read_json(self.dir / "reads" / f"{identity}.json") or {"reads": []}
-        ids = [reads.id] + [i for i in index["reads"] if i != reads.id]
+        # Written every time: one there may be damaged.
+        _write_bytes(self.dir / "reads" / f"{reads.id}.json.gz",
+                     gzip.compress(json.dumps(reads.to_json()).encode(), mtime=0))
+        ids = [reads.id] + [i for i in self._reads_ids(identity) if i != reads.id]
         _write_json(self.dir / "reads" / f"{identity}.json", {"reads": ids[:keep]})
 
     # The project's files per digest, to say which changed.
 
     def save_project_files(self, context: KeyContext) -> None:
-        path = self.dir / "projects" / f"{context.material['project']}.json"
-        if not path.exists():
-            _write_json(path, context.project_files)
+        # Written every time: one there may be damaged.
+        _write_json(self.dir / "projects" / f"{context.material['project']}.json",
+                    context.project_files)
 
     def project_files(self, digest: str | None) -> dict | None:
-        return _read_json(self.dir / "projects" / f"{digest}.json") if digest else None
+        return _read_json(self.dir / "projects" / f"{digest}.json", lambda data: isinstance(
+            data, dict) and all(isinstance(v, str) for v in data.values())) if digest else None
 
     def write_summary(self, summary: dict) -> None:
         _write_json(self.dir / "summary.json", summary)
         line = {k: summary.get(k) for k in ("started", "wall_seconds", "fresh", "vllm", "totals",
                                             "rows_run", "rows_reused", "parts_run",
                                             "parts_reused", "only")}
-        with open(self.dir / "runs.jsonl", "a") as f:
-            f.write(json.dumps(line, sort_keys=True) + "\n")
+        runs = self.dir / "runs.jsonl"
+        try:
+            with open(runs, "a") as f:
+                f.write(json.dumps(line, sort_keys=True) + "\n")
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(runs)) from e
 
 
 def trees_changed(repo: Path, before: str, after: str, reads: Reads | None,
@@ -377,23 +397,64 @@ def _slug(name: str) -> str:
 
 def read_runs(layout: Layout) -> list[dict]:
     try:
-        lines = (layout.build_dir / RESULTS / "runs.jsonl").read_text().splitlines()
+        lines = (layout.build_dir / RESULTS / "runs.jsonl").read_text(
+            errors="replace").splitlines()
     except FileNotFoundError:
         return []
     runs = []
     for line in lines:
         try:
-            runs.append(json.loads(line))
+            run = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by an interrupted write
+        if isinstance(run, dict):
+            runs.append(run)
     return runs
 
 
-def _read_json(path: Path) -> dict | None:
+def _read_json(path: Path, valid: Callable[[object], bool] = lambda data: isinstance(
+        data, dict)) -> dict | None:
+    """The JSON object in `path` (gzip'd if it ends in .gz), or None if there is
+    none. One that cannot be read, or is not what make test writes there (`valid`
+    says), is said in one line, removed and taken as missing: every file here
+    is a shortcut, and a missing one costs only a rerun."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        data = path.read_bytes()
+        data = json.loads((gzip.decompress(data) if path.suffix == ".gz" else data).decode())
+    except FileNotFoundError:
         return None
+    except (OSError, EOFError, zlib.error, ValueError) as e:  # ValueError: UTF-8 and JSON
+        return _damaged(path, f"cannot be read ({type(e).__name__})")
+    return data if valid(data) else _damaged(path, "is not what make test writes there")
+
+
+def _damaged(path: Path, why: str) -> None:
+    warn(f"{rel(path)} {why}; removed, and taken as missing (what it recorded runs again)")
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # a folder, or no permission: taken as missing all the same
+
+
+def _has(data: object, **fields: type | tuple[type, ...]) -> bool:
+    """Whether `data` is an object whose `fields` have these types."""
+    return isinstance(data, dict) and all(isinstance(data.get(k), t) for k, t in fields.items())
+
+
+def _is_green(record: object, key: str) -> bool:
+    """A green record under `key` as record_green writes it (what reusing it reads)."""
+    return (_has(record, key=str, date=str, row=str, name=str, material=dict, outcome=dict,
+                 tree=(str, type(None)), reads=(str, type(None)))
+            and record["key"] == key and _has(record["outcome"], passed=int, failed=int,
+                                              skipped=int, seconds=(int, float),
+                                              command=str, where=str, note=str))
+
+
+def _is_reads(data: object) -> bool:
+    """What Reads.to_json writes: `<kind> <path>` entries, and why it is opaque."""
+    return (_has(data, entries=list, opaque=list)
+            and all(isinstance(e, str) and " " in e for e in data["entries"])
+            and all(isinstance(o, str) for o in data["opaque"]))
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -404,7 +465,15 @@ def _write_bytes(path: Path, data: bytes) -> None:
     """All or nothing, and safe from several threads at once: a scratch file of
     its own, renamed into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=SCRATCH_FILE_SUFFIX,
+                               dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.filename:
+            raise
+        # A full disk fails the write, which names no file: name it.
+        raise OSError(e.errno, e.strerror, str(path)) from e

@@ -102,6 +102,9 @@ class Part:
     note: str = ""
 
 
+_PART_FIELDS = frozenset(Part.__dataclass_fields__)
+
+
 @dataclass
 class Outcome:
     suite: str
@@ -175,6 +178,9 @@ def run_all(layout: Layout, fresh: bool = False, only: str = "") -> int:
     started, start = now(), time.monotonic()
     base = read_state(layout.tree)["base_tag"]
     store = ResultStore(layout)
+    if left := store.remove_leftovers():
+        say(f"make test: removed {len(left)} files that a killed run left in "
+            f"{rel(store.dir, layout)}/")
     context = KeyContext.of(layout, base)
     store.save_project_files(context)
     with (PrefixTrees(layout) as prefixes,
@@ -652,7 +658,7 @@ class Runner:
             say("    " + "\n    ".join(lines[-LOG_TAIL:]) + f"\n    (all of it: {part.log})")
 
     def _reused(self, job: Job, record: dict) -> Part:
-        saved = record["outcome"]
+        saved = {k: v for k, v in record["outcome"].items() if k in _PART_FIELDS}
         # The counts of the run it repeats (in whichever tree), as this row's command.
         part = Part(**{**saved, "reused": {"date": record["date"], "key": record["key"],
                                            "seconds": saved["seconds"], "row": record["row"]},
