@@ -37,17 +37,18 @@ from __future__ import annotations
 import ast
 import os
 import shlex
+import signal
 import subprocess
 import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from scripts.common import Layout, StackError, rel, say
+from scripts.common import Layout, StackError, end_children, rel, say
 from scripts.forkserver import ForkServers
 from scripts.gitrepo import git, read_state
 from scripts.lint import LintResult, print_results, run_hadolint, run_lints
@@ -81,6 +82,10 @@ _VALUED_OPTIONS = frozenset({"-p", "--deselect", "-k", "-m"})  # what the rows p
 # process imports vLLM, for kernels no CPU test loads.
 # A value in the environment wins (and is in every key: testcache.py).
 QUIET_BUILDS = {"HUMMING_DISABLE_PARALLEL_BUILD": "1"}
+
+
+class Stopped(Exception):
+    """A command that a stopped run ended (its thread's way out)."""
 
 
 @dataclass
@@ -568,6 +573,7 @@ class Runner:
         self._lock = threading.Lock()
         self._done = 0
         self._total = 0
+        self._stopping = threading.Event()
 
     def run(self, jobs: list[Job]) -> dict[int, Part]:
         chains: dict[tuple, list[Job]] = {}
@@ -580,14 +586,35 @@ class Runner:
 
         def run_chain(chain: list[Job]) -> None:
             for job in chain:
+                if self._stopping.is_set():
+                    return
                 parts[id(job)] = self._one(job, logs)
 
         # The longest chains first (by their last runs), so none is left alone at the end.
         order = sorted(chains.values(), key=self._expected_seconds, reverse=True)
-        with ThreadPoolExecutor(self.workers) as pool:
-            for future in [pool.submit(run_chain, c) for c in order]:
+        pool = ThreadPoolExecutor(self.workers)
+        futures = [pool.submit(run_chain, c) for c in order]
+        try:
+            for future in futures:
                 future.result()  # an error of the tooling ends the run, named
+        except BaseException:  # SIGTERM, Ctrl-C, an error: stop every chain now
+            self._stop(futures)
+            raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
         return parts
+
+    def _stop(self, futures: list) -> None:
+        """Start nothing more, and end what runs (test processes, fork servers and
+        their children, a linter), SIGKILL after 5 s: the chains' threads then
+        return at once, recording nothing (_one)."""
+        self._stopping.set()
+        for future in futures:
+            future.cancel()
+        deadline = time.monotonic() + 5
+        while not all(future.done() for future in futures):
+            end_children(signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL)
+            wait(futures, timeout=0.2)
 
     def _expected_seconds(self, chain: list[Job]) -> float:
         """How long a chain takes, by its last run (or a minute per test file)."""
@@ -621,6 +648,8 @@ class Runner:
             part = job.run(log)
             reads = None
         part.changed, part.title = changed, job.title
+        if self._stopping.is_set():
+            raise Stopped(job.title)  # ended by the stop: its outcome means nothing
         if part.failed:
             # It failed where these keys said green (FRESH=1, or a flaky outside
             # condition): none of them may be reused any more.

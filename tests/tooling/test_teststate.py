@@ -8,14 +8,19 @@ build/test-results/ damaged or left as a SIGKILL leaves them.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from scripts import testcache
 from tests.tooling import test_testcache
+from tests.tooling.conftest import PYTHON, REPO, TEST_FOO_PATCHED
 from tests.tooling.test_testcache import _ran, _test
 
 suites = test_testcache.suites  # the fixture: its green project, built once per session
@@ -106,3 +111,83 @@ def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, monkeypatch):
         testcache._write_json(target, {"key": "k"})
     assert raised.value.filename == str(target)
     assert list(target.parent.iterdir()) == []
+
+
+SLOW = """\
+import os
+import time
+from pathlib import Path
+
+
+def test_slow():
+    (Path(os.environ["FAKE_STARTED"]) / Path(__file__).name).write_text(str(os.getpid()))
+    time.sleep(120)
+"""
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session `sid` (make test started in a session of its own)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("whom", ["python", "make-group"])
+@pytest.mark.parametrize("row", ["verification", "stack"])
+def test_sigterm_stops_make_test_within_seconds(suites, tmp_path, whom, row):
+    """SIGTERM to `python3 -m scripts test` alone, or to the process group `make`
+    shares with it: it exits in seconds, no process it started is left (a
+    pytest process, a fork server and the child it forked), the queued unit
+    never starts, the lock is free and the stopped unit is not recorded green."""
+    if row == "verification":  # plain pytest processes, one at a time: one runs, one waits
+        for name in ("test_slow_a.py", "test_slow_b.py"):
+            (suites.root / "tests/verification" / name).write_text(SLOW)
+    else:  # a fork of the tree's fork server
+        (suites.tree / "tests/test_foo.py").write_text(TEST_FOO_PATCHED + "\n\n" + SLOW)
+    greens = set((_results(suites) / "green").iterdir())
+    started = tmp_path / "started"
+    started.mkdir()
+    env = {**suites.env(), "FAKE_RUN_LOG": os.environ["FAKE_RUN_LOG"],
+           "FAKE_STARTED": str(started), "K3_TEST_JOBS": "1"}
+    proc = subprocess.Popen([PYTHON, "-m", "scripts", "test", "--only", row], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(started.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert list(started.iterdir()), "no slow test started"
+        stopped = time.monotonic()
+        if whom == "python":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert time.monotonic() - stopped < 10, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "terminated (SIGTERM)" in out
+    deadline = time.monotonic() + 5
+    while _session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _session(proc.pid) == []
+    assert len(list(started.iterdir())) == 1  # the queued unit never started
+    assert not (suites.root / ".k3-stack.running").exists()
+    fd = os.open(suites.root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free
+    finally:
+        os.close(fd)
+    # A unit that ended before the stop may be green (test_new, say); not the stopped one.
+    new = [json.loads(p.read_text())["name"] for p in set(
+        (_results(suites) / "green").iterdir()) - greens]
+    assert not [name for name in new if "test_foo" in name or "test_slow" in name], new
