@@ -500,18 +500,21 @@ def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: P
             NOT_PROJECT_INPUTS)], read_state(layout.tree)["base_tag"]))
     pytest_args = ["-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args]
     start = time.monotonic()
-    served = None
-    if servers is not None and reads_log is not None:
-        served = servers.run(cwd, env, pytest_args, log, reads_log)
-    if served is not None:
-        code, server_reads = served
-        with open(reads_log, "a") as reads:  # what the server read before the fork
-            reads.write(server_reads.read_text(errors="replace"))
-    else:
-        with open(log, "w") as out:
-            code = subprocess.run([str(venv_python(layout)), "-m", "pytest", *pytest_args],
-                                  cwd=cwd, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT).returncode
+    # The unit's temporary files go to a folder of its own, removed with it: a
+    # test that never removes what it made (a mkdtemp) leaves nothing in /tmp.
+    with tempfile.TemporaryDirectory(prefix="k3-unit-", ignore_cleanup_errors=True) as tmp:
+        served = None
+        if servers is not None and reads_log is not None:
+            served = servers.run(cwd, env, pytest_args, log, reads_log, tmp=tmp)
+        if served is not None:
+            code, server_reads = served
+            with open(reads_log, "a") as reads:  # what the server read before the fork
+                reads.write(server_reads.read_text(errors="replace"))
+        else:
+            with open(log, "w") as out:
+                code = subprocess.run([str(venv_python(layout)), "-m", "pytest", *pytest_args],
+                                      cwd=cwd, env={**env, "TMPDIR": tmp}, stdout=out,
+                                      stderr=subprocess.STDOUT).returncode
     part = _read_junit(xml)
     part.seconds = time.monotonic() - start
     part.log = rel(log, layout)

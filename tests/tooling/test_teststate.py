@@ -11,8 +11,10 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import pytest
 from scripts import testcache
 from tests.tooling import test_testcache
 from tests.tooling.conftest import PYTHON, REPO, TEST_FOO_PATCHED
-from tests.tooling.test_testcache import _ran, _test
+from tests.tooling.test_testcache import _parts, _ran, _test
 
 suites = test_testcache.suites  # the fixture: its green project, built once per session
 
@@ -191,3 +193,32 @@ def test_sigterm_stops_make_test_within_seconds(suites, tmp_path, whom, row):
     new = [json.loads(p.read_text())["name"] for p in set(
         (_results(suites) / "green").iterdir()) - greens]
     assert not [name for name in new if "test_foo" in name or "test_slow" in name], new
+
+
+LEAK = """\
+import os
+import tempfile
+
+
+def test_leak():
+    tempfile.mkdtemp(prefix=os.environ["FAKE_LEAK"])
+"""
+
+
+def test_a_test_that_leaves_temporary_files_leaves_none_in_tmp(suites, monkeypatch):
+    """A test that never removes its mkdtemp (verification's drafter harness did,
+    for each checkpoint it wrote): each unit's temporary folder is its own, and
+    goes with it, in a pytest process of its own as in a fork of a server."""
+    prefix = f"k3-leak-{os.getpid()}-"
+    monkeypatch.setenv("FAKE_LEAK", prefix)
+    (suites.root / "tests/verification/test_leak.py").write_text(LEAK)
+    (suites.tree / "tests/test_foo.py").write_text(TEST_FOO_PATCHED + "\n\n" + LEAK)
+    try:
+        assert _test(suites, only="stack,verification") == 0
+        parts = _parts(suites)
+        assert parts[("stack", "tests/test_foo.py")]["passed"] == 2
+        assert parts[("verification", "tests/verification/test_leak.py")]["passed"] == 1
+        assert list(Path(tempfile.gettempdir()).glob(prefix + "*")) == []
+    finally:
+        for leaked in Path(tempfile.gettempdir()).glob(prefix + "*"):
+            shutil.rmtree(leaked)
