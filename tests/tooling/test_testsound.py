@@ -242,3 +242,28 @@ def test_an_edit_inside_the_venv_is_in_the_key(suites):
     _ran(suites)
     (site / "helper.py").write_text("OK = False  # edited\n")
     _fresh_agrees(suites, 1)
+
+
+TEST_WEIGHTS = TEST_FOO_PATCHED + """
+
+def test_weights():
+    from safetensors.numpy import load_file
+
+    assert load_file("tests/data/w.safetensors")["w"].sum() == 6
+"""
+
+
+def test_data_a_native_reader_reads_is_in_the_key(suites):
+    """Case 3: safetensors reads the file in Rust, which raises no `open` audit event."""
+    numpy = pytest.importorskip("numpy")
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import save_file
+
+    weights = suites.tree / "tests/data/w.safetensors"
+    weights.parent.mkdir()
+    save_file({"w": numpy.arange(4, dtype=numpy.float32)}, str(weights))
+    _edit(suites, "tests/test_foo.py", TEST_WEIGHTS)
+    _fresh_agrees(suites, 0)
+    _ran(suites)
+    save_file({"w": numpy.arange(4, dtype=numpy.float32) * 2}, str(weights))
+    _fresh_agrees(suites, 1)
