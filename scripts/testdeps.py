@@ -167,10 +167,12 @@ def _file_state(kind: str, path: Path) -> str:
 
 class TreeIndex:
     """Every path of a git tree of `repo`: its mode, kind, object id and size, and
-    each folder's names; with `worktree` (where that tree is checked out), also
-    the files there that git ignores, as the import system finds them."""
+    each folder's names; with `ignored`, also the files git ignores in that
+    checkout (those under `within`, if given), as the import system finds them:
+    in the checkout of the tree itself, or linked into another one."""
 
-    def __init__(self, repo: Path, tree_id: str, worktree: Path | None = None):
+    def __init__(self, repo: Path, tree_id: str, ignored: Path | None = None,
+                 within: str = ""):
         self.tree_id = tree_id
         self._ignored: dict[str, Path] = {}  # path -> file on disk, hashed when read
         self._entries: dict[str, tuple[str, str, str, str]] = {
@@ -185,20 +187,21 @@ class TreeIndex:
             self._entries[path] = (mode, "link" if mode == "120000" else kind, oid, size)
             parent, _, name = path.rpartition("/")
             self._names.setdefault(parent or ".", []).append(name)
-        if worktree is not None and worktree.is_dir():
-            self._add_ignored(worktree)
+        if ignored is not None and ignored.is_dir():
+            self._add_ignored(ignored, within)
 
-    def _add_ignored(self, worktree: Path) -> None:
+    def _add_ignored(self, worktree: Path, within: str) -> None:
         """The ignored files in `worktree`, as entries of their own: Python imports
         them all the same (a junk `mod.abi3.so` shadows `mod.py`; a `.pyc`
         beside no source is a module; the wheel's copies under vllm/). Bytecode
         caches are left out: they stand for their sources, which are read."""
-        out = git(worktree, "ls-files", "-z", "--others", "--ignored", "--exclude-standard").stdout
+        out = git(worktree, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+                  *([within] if within else [])).stdout
         for path in out.split("\0"):
             if not path or "__pycache__" in path.split("/") or path in self._entries:
                 continue
             file = worktree / path
-            if file.is_symlink():
+            if file.is_symlink() and not file.is_file():
                 entry = ("120000", "link", f"ignored {os.readlink(file)}", "-")
             elif file.is_file():
                 mode = "100755" if os.access(file, os.X_OK) else "100644"

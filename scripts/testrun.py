@@ -53,7 +53,7 @@ from scripts.forkserver import ForkServers
 from scripts.gitrepo import git, read_state
 from scripts.lint import LintResult, print_results, run_hadolint, run_lints
 from scripts.lock import LINT
-from scripts.prefixes import PrefixTrees, prefix_commits
+from scripts.prefixes import LINKED, PrefixTrees, prefix_commits
 from scripts.testcache import (
     FORMAT,
     NOT_PROJECT_INPUTS,
@@ -722,11 +722,13 @@ class Runner:
     def _index(self, tree: str | None, folder: Path) -> TreeIndex:
         """The tree `tree` as checked out in `folder`, ignored files included
         (once per run: the lookup of a unit's key and its record see the same).
-        A prefix's worktree is made afresh by each run (none, before its first
-        unit runs): no ignored file in it was put there by anyone else."""
+        A prefix's worktree is made afresh by each run: its ignored files are
+        build/vllm's under vllm/, linked in (prefixes.link_build_outputs)."""
         with self._lock:
             if (tree, folder) not in self._trees:
-                self._trees[tree, folder] = TreeIndex(self.layout.tree, tree, folder)
+                within = "" if folder == self.layout.tree else LINKED
+                self._trees[tree, folder] = TreeIndex(self.layout.tree, tree, self.layout.tree,
+                                                      within)
             return self._trees[tree, folder]
 
     def _say(self, job: Job, verdict: str, detail: str) -> None:

@@ -16,7 +16,7 @@ import pytest
 from scripts.common import StackError
 from tests.tooling import test_testcache
 from tests.tooling.conftest import FOO_PATCHED, TEST_FOO_PATCHED, TEST_FOO_V1, V1
-from tests.tooling.test_testcache import FOO, VERIFY, _ran, _test
+from tests.tooling.test_testcache import FOO, VERIFY, _ran, _summary, _test
 
 suites = test_testcache.suites  # the fixture: its green project, built once per session
 
@@ -267,3 +267,12 @@ def test_data_a_native_reader_reads_is_in_the_key(suites):
     _ran(suites)
     save_file({"w": numpy.arange(4, dtype=numpy.float32) * 2}, str(weights))
     _fresh_agrees(suites, 1)
+
+
+def test_an_ignored_file_linked_into_the_prefix_trees_is_in_their_keys(suites):
+    """Case 4 in the prefix rows: their worktrees link build/vllm's ignored files
+    under vllm/ (the kernels the build copied in), junk ones too."""
+    (suites.tree / "vllm/models/foo.abi3.so").write_bytes(b"junk\n")
+    assert _test(suites) == 1
+    assert _summary(suites)["rows"][3]["name"] == "prefix 1/3"
+    assert _summary(suites)["rows"][3]["failed"] >= 1  # test_foo.py imports the junk
