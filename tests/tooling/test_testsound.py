@@ -132,7 +132,8 @@ def test_make_and_the_terminal_change_no_key(suites, monkeypatch):
     """What make passes on (its flags, the variables typed after `make test`) and
     the terminal's variables are read by no test: everything is reused."""
     for name, value in {"MAKEFLAGS": " -- ONLY=stack", "MAKELEVEL": "1", "ONLY": "stack",
-                        "FRESH": "", "TERM": "dumb", "COLUMNS": "80", "OLDPWD": "/"}.items():
+                        "FRESH": "", "TERM": "dumb", "COLUMNS": "80", "OLDPWD": "/",
+                        "K3_PROJECT_ROOT": "/as/mutate/sets/it"}.items():
         monkeypatch.setenv(name, value)
     assert _test(suites) == 0
     assert _ran(suites) == set()
