@@ -55,7 +55,7 @@ from scripts.gitrepo import git, release_commit
 from scripts.lock import ENVIRONMENTS
 from scripts.testdeps import Reads, TreeIndex
 
-FORMAT = 3
+FORMAT = 2
 RESULTS = "test-results"
 # Made from build/vllm (keyed by its tree id instead) or prose no test reads.
 # A row that does read one of them lists it in Row.inputs.
