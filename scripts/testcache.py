@@ -19,9 +19,12 @@ and any other project path it reads.
 
 A command that passed is recorded under build/test-results/green/<key>.json;
 a later run with the same key reuses it and says so. A failed one is never
-recorded, so it always runs again. Any doubt is a new key: a cache miss
-costs minutes, a stale green would hide a failure. A command that runs
+recorded, so it always runs again, and it removes the greens under its keys
+(a FRESH=1 run that fails where one passed). Any doubt is a new key: a cache
+miss costs minutes, a stale green would hide a failure. A command that runs
 again says which of its key's inputs changed since its last green run.
+Every file here is a shortcut: one that is damaged is said in one line,
+removed and taken as missing; what a killed run left goes at the next run.
 
 A result is reused whole or not at all: a unit whose inputs changed runs
 every one of its tests again. Its tests share one process, so any of them
