@@ -211,9 +211,13 @@ class KeyContext:
         }, files)
 
     def key(self, root: Path, *, check: str, vllm_tree: str | None,
-            command: tuple[str, ...], inputs: tuple[str, ...]) -> tuple[str, dict]:
+            command: tuple[str, ...], inputs: tuple[str, ...],
+            ignored: str | None = None) -> tuple[str, dict]:
+        """A command's key: what every key holds, its check and command, the tree
+        it reads (and the Python files git ignores in its checkout), the project
+        paths it reads."""
         material = {**self.material, "check": check, "vllm_tree": vllm_tree,
-                    "command": list(command),
+                    "command": list(command), "ignored_sources": ignored,
                     "inputs": digest_paths(root, list(inputs)) if inputs else None}
         return _hash(material), material
 
@@ -250,6 +254,7 @@ def what_changed(before: dict, after: dict, store: ResultStore) -> list[str]:
              "venvs": "the venvs (.venv, .venv-lint)",
              "platform": "the interpreter, platform or git", "command": "its command",
              "check": "its check", "inputs": "the project paths it reads",
+             "ignored_sources": "the Python files git ignores in its tree",
              "format": "the result format of make test"}
     said += [names[k] for k in names if before.get(k) != after.get(k)]
     if before.get("environment") != after.get("environment"):

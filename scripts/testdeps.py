@@ -243,6 +243,15 @@ class TreeIndex:
         ignored = "\n".join(f"{p} {self.state('r', p)}" for p in sorted(self._ignored))
         return f"{self.tree_id} {hashlib.sha256(ignored.encode()).hexdigest()}"
 
+    def ignored_sources_id(self) -> str:
+        """The content of each ignored Python source (.py, .pyi): what a linter
+        that follows imports may read beyond the tree ("" if there is none)."""
+        sources = sorted(p for p in self._ignored if p.endswith((".py", ".pyi")))
+        if not sources:
+            return ""
+        listed = "\n".join(f"{p} {self.state('r', p)}" for p in sources)
+        return hashlib.sha256(listed.encode()).hexdigest()
+
     def listing(self, path: str) -> list[str]:
         return sorted(self._names.get(path, []))
 

@@ -158,6 +158,9 @@ class Job:
     where: str = ""  # the folder it runs in, as Part.where
     retype: str = ""  # its command line there, if known before it runs
     files: int = 1  # the test files it runs: its weight before it has run once
+    # The checkout of `tree` an untracked command reads (a lint run): the Python
+    # files git ignores there are in its key too (mypy follows imports into them).
+    folder: Path | None = None
 
     @property
     def chain(self) -> tuple:
@@ -484,7 +487,7 @@ def _lint_job(layout: Layout, suite: str, base: str, tree_dir: Path, tree: str,
         return _lint(layout, base, tree_dir)
 
     return Job(suite, "vLLM pre-commit", "vllm pre-commit", ("vllm pre-commit", base), tree,
-               run, where=rel(tree_dir, layout))
+               run, where=rel(tree_dir, layout), folder=tree_dir)
 
 
 def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: Path,
@@ -633,9 +636,11 @@ class Runner:
             keys = [unit_key(identity, reads, reads.digest(index, self.layout.root))
                     for reads in self.store.reads(identity)]
         else:
+            ignored = (self._index(job.tree, job.folder).ignored_sources_id()
+                       if job.folder is not None else None)
             key, material = self.context.key(self.layout.root, check=job.check,
                                              vllm_tree=job.tree, command=job.command,
-                                             inputs=job.inputs)
+                                             inputs=job.inputs, ignored=ignored)
             keys = [key]
         for record in ([] if self.fresh else map(self.store.green, keys)):
             if record:

@@ -16,7 +16,7 @@ import pytest
 from scripts.common import StackError
 from tests.tooling import test_testcache
 from tests.tooling.conftest import FOO_PATCHED, TEST_FOO_PATCHED, TEST_FOO_V1, V1
-from tests.tooling.test_testcache import FOO, VERIFY, _ran, _summary, _test
+from tests.tooling.test_testcache import FOO, LINT, VERIFY, _ran, _summary, _test
 
 suites = test_testcache.suites  # the fixture: its green project, built once per session
 
@@ -277,3 +277,17 @@ def test_an_ignored_file_linked_into_the_prefix_trees_is_in_their_keys(suites):
     assert _test(suites) == 1
     assert _summary(suites)["rows"][3]["name"] == "prefix 1/3"
     assert _summary(suites)["rows"][3]["failed"] >= 1  # test_foo.py imports the junk
+
+
+def test_an_ignored_python_file_is_in_the_lint_key(suites):
+    """mypy follows imports into the files git ignores (vllm/third_party/, the
+    wheel's copies): an edit there runs the lint of build/vllm again."""
+    (suites.tree / THIRD_PARTY).parent.mkdir(parents=True)
+    _edit(suites, THIRD_PARTY, "OK = True\n")
+    assert _test(suites, only="lint") == 0
+    assert _ran(suites) == {("lint", LINT)}
+    assert _test(suites, only="lint") == 0
+    assert _ran(suites) == set()
+    _edit(suites, THIRD_PARTY, "OK = 'yes'  # edited\n")
+    assert _test(suites, only="lint") == 0
+    assert _ran(suites) == {("lint", LINT)}
