@@ -195,6 +195,11 @@ def write_atomically(path: Path, data: bytes) -> None:
             f.write(data)
             os.fchmod(f.fileno(), _mode_for(path))
         os.replace(name, path)
+    except OSError as e:
+        Path(name).unlink(missing_ok=True)
+        if e.filename is None:  # a full disk fails the write, which names no file
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from scripts.common import SCRATCH_FILE_SUFFIX, Layout, rel, run, warn
+from scripts.common import SCRATCH_FILE_SUFFIX, Layout, rel, run, warn, write_atomically
 from scripts.gitrepo import git, release_commit
 from scripts.lock import ENVIRONMENTS
 from scripts.testdeps import Reads, TreeIndex
@@ -471,18 +471,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    """All or nothing, and safe from several threads at once: a scratch file of
-    its own, renamed into place."""
+    """All or nothing, and safe from several threads at once (a scratch file of
+    its own, renamed into place); a full disk names the file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=SCRATCH_FILE_SUFFIX,
-                               dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        if e.filename:
-            raise
-        # A full disk fails the write, which names no file: name it.
-        raise OSError(e.errno, e.strerror, str(path)) from e
+    write_atomically(path, data)
