@@ -268,7 +268,7 @@ def end_children(signum: int) -> int:
     server's children too): a run that was stopped leaves none running. Returns
     how many there were."""
     parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:  # Linux only
         if not entry.isdigit():
             continue
         try:
