@@ -241,6 +241,11 @@ def test_an_edit_inside_the_venv_is_in_the_key(suites):
     _edit(suites, "tests/test_foo.py", TEST_HELPER)
     _fresh_agrees(suites, 0)
     _ran(suites)
+    # Bytecode Python writes into the venv as tests import from it is no edit.
+    (site / "__pycache__").mkdir(exist_ok=True)
+    (site / "__pycache__" / "helper.cpython-311.pyc").write_bytes(b"cache")
+    assert _test(suites, only="stack") == 0
+    assert _ran(suites) == set()
     (site / "helper.py").write_text("OK = False  # edited\n")
     _fresh_agrees(suites, 1)
 
