@@ -67,6 +67,8 @@ NOT_PROJECT_INPUTS = frozenset({"patches", "vllm_overlay", "docs", "README.md"})
 # (.k3-stack.running: the project lock's note, git-ignored in a checkout.)
 _NEVER = frozenset({"build", ".cache", ".venv", ".venv-lint", ".git", "__pycache__",
                     ".pytest_cache", ".mypy_cache", ".ruff_cache", ".k3-stack.running"})
+# What Python imports (or loads as a module) by its name: see _ignored_importable.
+_IMPORTABLE = (".py", ".pyc", ".pyo", ".so", ".pyd")
 # Environment variables that change no test's outcome; every other one is in
 # every key, as a digest of its value (a test may read any: K3_ROCM_ARCH,
 # K3_PRISTINE_GIT_DIR, HOME, PATH; and the values, tokens among them, stay
@@ -148,7 +150,7 @@ def _input_files(root: Path, paths: list[str] | None) -> list[str]:
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames[:] = sorted(d for d in dirnames if d not in _NEVER)
             base = Path(dirpath).relative_to(root)
-            files += [(base / f).as_posix() for f in filenames if not f.endswith(".pyc")]
+            files += [(base / f).as_posix() for f in filenames]  # __pycache__/ is _NEVER's
     return sorted(files)
 
 
@@ -161,7 +163,23 @@ def project_files(root: Path) -> list[str]:
         return _input_files(root, [p.name for p in root.iterdir() if p.name not in _NEVER])
     listed = run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
                   "--exclude-standard"]).stdout
-    return sorted({f for f in listed.split("\0") if f and f.split("/", 1)[0] not in _NEVER})
+    found = {f for f in listed.split("\0") if f and f.split("/", 1)[0] not in _NEVER}
+    return sorted(found | _ignored_importable(root))
+
+
+def _ignored_importable(root: Path) -> set[str]:
+    """The files of the project git ignores that Python could import (a `.pyc`
+    beside no source, a compiled module that shadows one): inputs all the same.
+    Bytecode caches and what _NEVER names are not; nor editor or cache folders."""
+    out = run(["git", "-C", str(root), "ls-files", "-z", "--others", "--ignored",
+               "--exclude-standard", "--directory"]).stdout
+    found = set()
+    for entry in filter(None, out.split("\0")):
+        if any(part in _NEVER for part in entry.rstrip("/").split("/")):
+            continue
+        inside = _input_files(root, [entry.rstrip("/")]) if entry.endswith("/") else [entry]
+        found.update(f for f in inside if f.endswith(_IMPORTABLE))
+    return found
 
 
 def tree_id(tree: Path, rev: str) -> str:

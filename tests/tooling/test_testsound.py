@@ -16,7 +16,7 @@ import pytest
 from scripts.common import StackError
 from tests.tooling import test_testcache
 from tests.tooling.conftest import FOO_PATCHED, TEST_FOO_PATCHED, TEST_FOO_V1, V1
-from tests.tooling.test_testcache import FOO, LINT, VERIFY, _ran, _summary, _test
+from tests.tooling.test_testcache import FOO, LINT, VERIFY, _parts, _ran, _summary, _test
 
 suites = test_testcache.suites  # the fixture: its green project, built once per session
 
@@ -296,3 +296,37 @@ def test_an_ignored_python_file_is_in_the_lint_key(suites):
     _edit(suites, THIRD_PARTY, "OK = 'yes'  # edited\n")
     assert _test(suites, only="lint") == 0
     assert _ran(suites) == {("lint", LINT)}
+
+
+TEST_VPLUG = """\
+import sys
+from pathlib import Path
+
+
+def test_vplug():
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    try:
+        import vplug
+    except ImportError:
+        return
+    assert vplug.OK
+"""
+
+
+@pytest.mark.parametrize("checkout", [False, True], ids=["plain-folder", "git-checkout"])
+def test_a_module_python_finds_in_the_project_is_in_every_key(suites, tmp_path, checkout):
+    """Case 4 in the project: a .pyc beside no source, which git ignores (the
+    project's .gitignore has *.pyc), imported from a folder of the project."""
+    (suites.root / "tests/verification/test_vplug.py").write_text(TEST_VPLUG)
+    if checkout:
+        (suites.root / ".gitignore").write_text("/build/\n/.venv*/\n__pycache__/\n*.pyc\n")
+        suites.git("init", "-q", cwd=suites.root)
+        suites.git("add", "-A", cwd=suites.root)
+        suites.git("commit", "-q", "-m", "the project", cwd=suites.root)
+    assert _test(suites, only="verification") == 0
+    plugins = suites.root / "tests/verification/plugins"
+    plugins.mkdir()
+    (plugins / "vplug.pyc").write_bytes(_compiled(tmp_path, "OK = False\n"))
+    assert _test(suites, only="verification") == 1
+    # Every key holds the project's files: the other unit runs again too.
+    assert _parts(suites)[("verification", VERIFY)]["reused"] is None
