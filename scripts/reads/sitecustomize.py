@@ -20,6 +20,7 @@ with K3_TESTS_CHILD set (a test's subprocess), k3_pertest records all this
 process runs for that test.
 """
 
+import functools
 import os
 import sys
 import threading
@@ -235,8 +236,7 @@ def _install() -> None:
                     note("r", where)
             return function(*args, **kwargs)
 
-        call.__wrapped__ = function
-        return call
+        return functools.update_wrapper(call, function)  # its name, its doc
 
     _track_module_lookups(under_root, note, importing)
     _follow_native_readers(reading, note)
@@ -292,7 +292,10 @@ def _follow_native_readers(reading, note) -> None:
                         run(module)
                         wrap(module)
 
-                    spec.loader.exec_module = exec_module
+                    try:
+                        spec.loader.exec_module = exec_module
+                    except AttributeError:  # a loader that takes no attribute
+                        note("x", f"reads files unseen: {fullname}")
                     return spec
             return None
 
