@@ -165,6 +165,18 @@ def _file_state(kind: str, path: Path) -> str:
     return f"blob {mode}" + (f" {path.stat().st_size}" if kind == "s" else "")
 
 
+def _content_digest(path: Path, known: dict[str, str]) -> str:
+    """sha256 of a file's content, once per `known` (the indexes of one run share
+    it: each prefix's index sees build/vllm's kernels, hundreds of MB, too)."""
+    if str(path) not in known:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        known[str(path)] = digest.hexdigest()
+    return known[str(path)]
+
+
 class TreeIndex:
     """Every path of a git tree of `repo`: its mode, kind, object id and size, and
     each folder's names; with `ignored`, also the files git ignores in that
@@ -172,9 +184,10 @@ class TreeIndex:
     in the checkout of the tree itself, or linked into another one."""
 
     def __init__(self, repo: Path, tree_id: str, ignored: Path | None = None,
-                 within: str = ""):
+                 within: str = "", digests: dict[str, str] | None = None):
         self.tree_id = tree_id
         self._ignored: dict[str, Path] = {}  # path -> file on disk, hashed when read
+        self._digests = {} if digests is None else digests  # file -> its content's sha256
         self._entries: dict[str, tuple[str, str, str, str]] = {
             ".": ("040000", "tree", tree_id, "-")}
         self._names: dict[str, list[str]] = {}
@@ -227,7 +240,7 @@ class TreeIndex:
             return ABSENT
         mode, what, oid, size = self._entries[path]
         if path in self._ignored and kind == "r" and not oid:
-            oid = "ignored " + hashlib.sha256(self._ignored[path].read_bytes()).hexdigest()
+            oid = "ignored " + _content_digest(self._ignored[path], self._digests)
             self._entries[path] = (mode, what, oid, size)
         if what in ("tree", "commit") and kind != "r":
             return what

@@ -576,6 +576,7 @@ class Runner:
         self.layout, self.context, self.store, self.fresh = layout, context, store, fresh
         self.workers = max(1, int(os.environ.get(JOBS_ENV) or min(os.cpu_count() or 1, 4)))
         self._trees: dict[tuple[str | None, Path], TreeIndex] = {}
+        self._digests: dict[str, str] = {}  # ignored files' contents, hashed once a run
         self._lock = threading.Lock()
         self._done = 0
         self._total = 0
@@ -733,7 +734,7 @@ class Runner:
             if (tree, folder) not in self._trees:
                 within = "" if folder == self.layout.tree else LINKED
                 self._trees[tree, folder] = TreeIndex(self.layout.tree, tree, self.layout.tree,
-                                                      within)
+                                                      within, self._digests)
             return self._trees[tree, folder]
 
     def _say(self, job: Job, verdict: str, detail: str) -> None:
