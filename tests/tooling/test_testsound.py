@@ -1,9 +1,11 @@
 """A result `make test` reuses equals what a fresh run of the same tests gives.
 
 Each case is one that once came out green where a fresh run failed (issue
-31): the suite project of test_testcache.py after a green run, an edit that
-makes a fresh run of a unit fail, and `make test` (its Python entry) run
-again, which must fail too.
+31), or a neighbour of one: the suite project of test_testcache.py after a
+green run, an edit that makes a fresh run of a unit fail, and `make test`
+(its Python entry) run again, which must fail too. A few guards check that
+what no test can observe (make's variables, bytecode in the venv) still
+changes no key.
 """
 
 from __future__ import annotations
