@@ -35,7 +35,9 @@ table ends the run; any failure makes the exit status non-zero.
 from __future__ import annotations
 
 import ast
+import getpass
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -495,8 +497,8 @@ def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: P
             servers: ForkServers | None = None) -> Part:
     xml = log.with_suffix(".xml")
     xml.unlink(missing_ok=True)
-    env = {**QUIET_BUILDS, **os.environ, "K3_PROJECT_ROOT": str(layout.root),
-           "PYTHONPATH": os.pathsep.join(str(p) for p in path)}
+    env = {**QUIET_BUILDS, **_shared_caches(), **os.environ,
+           "K3_PROJECT_ROOT": str(layout.root), "PYTHONPATH": os.pathsep.join(str(p) for p in path)}
     if tracked is not None and reads_log is not None:
         env["PYTHONPATH"] = f"{TRACKER_DIR}{os.pathsep}{env['PYTHONPATH']}"
         env.update(tracker_env(reads_log, tracked, [layout.root / p for p in sorted(
@@ -527,6 +529,15 @@ def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: P
         part.failed += 1
         part.note = f"pytest exited {code}"
     return part
+
+
+def _shared_caches() -> dict[str, str]:
+    """Caches that live in the temporary folder by default, kept where they were:
+    with a TMPDIR of its own (_pytest), every unit would compile torch's inductor
+    kernels from nothing. (A value in the environment wins.)"""
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # as torch names it
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(),
+                                                    f"torchinductor_{user}")}
 
 
 def _read_junit(xml: Path) -> Part:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,22 @@ def test_pytest_runs_without_humming_background_builds(tmp_path, monkeypatch):
         part = testrun._pytest(layout, ["test_env.py"], tmp_path, [tmp_path],
                                tmp_path / "env.log", None, None)
         assert (part.passed, part.failed) == (1, 0), (tmp_path / "env.log").read_text()
+
+
+def test_a_unit_has_a_temporary_folder_of_its_own_but_shares_torch_caches(tmp_path,
+                                                                          monkeypatch):
+    """TMPDIR is the unit's, removed with it; torch's inductor cache, which
+    lives in the temporary folder by default, stays where it was for all."""
+    (tmp_path / "test_tmp.py").write_text(
+        "import os\nimport tempfile\n\n\ndef test_tmp():\n"
+        "    assert os.path.basename(tempfile.gettempdir()).startswith('k3-unit-')\n"
+        "    assert os.environ['TORCHINDUCTOR_CACHE_DIR'] == os.environ['WANTED']\n")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("WANTED", testrun._shared_caches()["TORCHINDUCTOR_CACHE_DIR"])
+    assert os.path.dirname(os.environ["WANTED"]) == tempfile.gettempdir()
+    part = testrun._pytest(_layout_with_this_python(tmp_path), ["test_tmp.py"], tmp_path,
+                           [tmp_path], tmp_path / "tmp.log", None, None)
+    assert (part.passed, part.failed) == (1, 0), (tmp_path / "tmp.log").read_text()
 
 
 def _real_hadolint() -> Path | None:
