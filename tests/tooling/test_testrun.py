@@ -54,6 +54,17 @@ def test_junit_counts(tmp_path):
     assert (part.passed, part.failed, part.skipped) == (5, 2, 3)
 
 
+@pytest.mark.parametrize("content", ['<testsuites><testsuite tests="3"', "\xff",
+                                     '<testsuites><testsuite tests="x"/></testsuites>'],
+                         ids=["cut-short", "not-xml", "not-a-number"])
+def test_a_junit_file_that_cannot_be_read_is_a_failure(tmp_path, content):
+    """Nothing known is no green, and no traceback either."""
+    (tmp_path / "x.xml").write_text(content)
+    part = testrun._read_junit(tmp_path / "x.xml")
+    assert (part.passed, part.failed, part.note) == (0, 1, "x.xml cannot be read: nothing "
+                                                           "is known")
+
+
 def test_missing_junit_counts_nothing(tmp_path):
     part = testrun._read_junit(tmp_path / "absent.xml")
     assert (part.passed, part.failed, part.skipped) == (0, 0, 0)
