@@ -135,15 +135,28 @@ def _listed(items: list[str]) -> str:
 
 
 def _ignored_work(layout: Layout) -> list[str]:
-    """Ignored files in build/vllm that are someone's work: not outputs of the
-    build (the tooling's excludes) and not the pinned wheel's files, which the
-    python-only build copies into the tree (both can be made again)."""
+    """Ignored files in build/vllm that the tooling did not make, so someone's
+    work, whatever their names (a `.so`, a `build/` or `.deps/` of one's own
+    match the tooling's excludes all the same). Made by the tooling, and made
+    again by it: what `make build` wrote there, unchanged since
+    (gitrepo.build_outputs); a copy of a file of the pinned wheel; and the
+    bytecode Python caches for a source beside it."""
     tree = layout.tree
-    candidates = [p for p in ignored_files(tree) if p not in build_outputs(tree)]
+    made = build_outputs(tree)
+    candidates = [p for p in ignored_files(tree) if p not in made and not _bytecode_cache(tree, p)]
     if not candidates:
         return []
     from_wheel = _wheel_members(layout)
     return [p for p in candidates if not _same_file(tree / p, from_wheel.get(p))]
+
+
+def _bytecode_cache(tree: Path, path: str) -> bool:
+    """`pkg/__pycache__/mod.<tag>.pyc` of a `pkg/mod.py` that is there."""
+    parts = path.split("/")
+    if len(parts) < 2 or parts[-2] != "__pycache__" or not parts[-1].endswith(".pyc"):
+        return False
+    source = tree.joinpath(*parts[:-2], parts[-1].split(".", 1)[0] + ".py")
+    return source.is_file()
 
 
 def _wheel_members(layout: Layout) -> dict[str, zipfile.ZipInfo]:

@@ -195,6 +195,11 @@ def write_atomically(path: Path, data: bytes) -> None:
             f.write(data)
             os.fchmod(f.fileno(), _mode_for(path))
         os.replace(name, path)
+    except OSError as e:
+        Path(name).unlink(missing_ok=True)
+        if e.filename is None:  # a full disk fails the write, which names no file
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         Path(name).unlink(missing_ok=True)
         raise
@@ -256,6 +261,34 @@ def handle_termination() -> None:
     """
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _terminate)
+
+
+def end_children(signum: int) -> int:
+    """Send `signum` to every process this one started, and theirs (a fork
+    server's children too): a run that was stopped leaves none running. Returns
+    how many there were."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:  # Linux only
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        parents.setdefault(ppid, []).append(int(entry))
+    found, waiting = [], list(parents.get(os.getpid(), []))
+    while waiting:
+        pid = waiting.pop()
+        found.append(pid)
+        waiting += parents.get(pid, [])
+    for pid in found:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+    return len(found)
 
 
 def say(message: str) -> None:

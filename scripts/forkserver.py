@@ -54,7 +54,7 @@ def _preimports(tree: Path) -> list[str]:
 
 
 def serve(rocm: bool) -> None:
-    """Import, then answer each request line {"args", "log", "reads"} with
+    """Import, then answer each request line {"args", "log", "reads", "tmp"} with
     {"code"}: the exit status of pytest on `args` in a fork."""
     sys.path[0] = os.getcwd()  # as `python -m pytest` has it (this runs as a file)
     replies = os.fdopen(os.dup(1), "w")
@@ -97,6 +97,9 @@ def _child(request: dict) -> None:
         import sitecustomize  # the read tracker, loaded at startup through PYTHONPATH
 
         sitecustomize.switch_log(request["reads"])
+        if request.get("tmp"):  # this file's temporary folder, as TMPDIR gives a process
+            os.environ["TMPDIR"] = request["tmp"]
+            tempfile.tempdir = None  # found again, from TMPDIR
         import warnings
 
         import pytest
@@ -130,11 +133,11 @@ class _Server:
                                      text=True)
         self.ready = json.loads(self.proc.stdout.readline() or "{}").get("ready", False)
 
-    def run(self, args: list[str], log: Path, reads: Path) -> int | None:
+    def run(self, args: list[str], log: Path, reads: Path, tmp: str | None) -> int | None:
         """pytest's exit status, or None if the server is gone."""
         try:
             self.proc.stdin.write(json.dumps({"args": args, "log": str(log),
-                                              "reads": str(reads)}) + "\n")
+                                              "reads": str(reads), "tmp": tmp}) + "\n")
             self.proc.stdin.flush()
             reply = self.proc.stdout.readline()
         except (BrokenPipeError, OSError):
@@ -180,18 +183,18 @@ class ForkServers:
         self._lock = threading.Lock()
 
     def run(self, cwd: Path, env: dict[str, str], args: list[str], log: Path,
-            reads: Path) -> tuple[int, Path] | None:
+            reads: Path, tmp: str | None = None) -> tuple[int, Path] | None:
         """pytest on `args` in a fork of a server for `cwd` and `env` (whose
-        K3_READS_LOG is replaced), under emulated ROCm if `args` load its plugin:
-        its exit status and the server's own reads, or None if no server could
-        run it."""
+        K3_READS_LOG is replaced), under emulated ROCm if `args` load its plugin,
+        with its temporary files in `tmp` (if given): its exit status and the
+        server's own reads, or None if no server could run it."""
         rocm = ROCM_PLUGIN in args
         env = {k: v for k, v in env.items() if k != "K3_READS_LOG"}  # each file has its own
         key = (str(cwd), rocm, tuple(sorted(env.items())))
         server = self._take(key, cwd, env, rocm)
         if server is None:
             return None
-        code = server.run(args, log, reads)
+        code = server.run(args, log, reads, tmp)
         if code is None:
             server.close()
             return None

@@ -107,6 +107,23 @@ def read_state(tree: Path) -> dict:
     return state
 
 
+def release_commit(layout: Layout) -> str:
+    """The commit of the pristine release tag, which must be the one `make apply`
+    imported: a tag moved elsewhere would make every diff against it wrong
+    (the stack's files and tests, the overlay)."""
+    tree = layout.tree
+    state = read_state(tree)
+    tag, imported = state["base_tag"], state.get("base_commit")
+    commit = git(tree, "rev-parse", "-q", "--verify", f"{tag}^{{commit}}",
+                 check=False).stdout.strip()
+    if imported and commit != imported:
+        where = rel(tree, layout)
+        raise StackError(f"{where}: tag {tag} points at {commit[:12] or 'nothing'}, not at the "
+                         f"release commit {imported[:12]} that make apply imported; put it "
+                         f"back with `git -C {where} tag -f {tag} {imported}`")
+    return commit
+
+
 def write_state(tree: Path, **updates) -> None:
     state = {**read_state(tree), **updates}
     tmp = state_path(tree).with_suffix(".tmp")
@@ -361,12 +378,36 @@ def ignored_files(tree: Path) -> list[str]:
     return [entry[3:] for entry in fields if entry.startswith("!! ")]
 
 
+def record_build_outputs(tree: Path, before: dict[str, list[int]]) -> None:
+    """Note in the state file the ignored files a build wrote (new, or changed
+    since `before`, ignored_stats before it ran): `make clean` deletes those
+    without asking while they are as the build left them."""
+    after = ignored_stats(tree)
+    made = {path: stat for path, stat in after.items() if before.get(path) != stat}
+    kept = {path: stat for path, stat in read_state(tree).get("build_outputs", {}).items()
+            if after.get(path) == stat}
+    write_state(tree, build_outputs={**kept, **made})
+
+
 def build_outputs(tree: Path) -> set[str]:
-    """The ignored files that the tooling's own excludes (_EXCLUDES, the outputs
-    of a python-only build and of pytest) cover."""
-    out = git(tree, "ls-files", "-z", "--others", "--ignored",
-              "--exclude-from=.git/info/exclude").stdout
-    return set(filter(None, out.split("\0")))
+    """The ignored files a build wrote (record_build_outputs) that nobody has
+    changed since: their size and modification time are as it left them."""
+    recorded = read_state(tree).get("build_outputs", {})
+    return {path for path, stat in recorded.items() if _stat(tree / path) == stat}
+
+
+def ignored_stats(tree: Path) -> dict[str, list[int]]:
+    """Each ignored file of `tree`, with its size and modification time."""
+    found = {path: _stat(tree / path) for path in ignored_files(tree)}
+    return {path: stat for path, stat in found.items() if stat is not None}
+
+
+def _stat(path: Path) -> list[int] | None:
+    try:
+        stat = os.lstat(path)
+    except OSError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ def run_lints(layout: Layout, base: str, tree: Path) -> list[LintResult]:
         # vLLM's mypy hook calls `mypy` from PATH.
         "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "MYPY_CACHE_DIR": str(mypy_cache(layout, tree)),
+        "K3_PROJECT_ROOT": str(layout.root),  # as every test process has it (no key holds it)
     }
     for name, cmd in lint_commands(tree, base, python):
         passed = _passed_before(layout, tree, cmd) if name == "test tethering" else None

@@ -130,7 +130,10 @@ def _one(layout: Layout, source: Path, folder: Path, mutation: Mutation | None,
     if mutation:
         say(f"  {mutation.path} changed in patch(es) {', '.join(map(str, changed))}")
     start = time.monotonic()
-    env = {**os.environ, "K3_PROJECT_ROOT": str(scratch), "PYTHONPATH": str(scratch),
+    # `-m scripts` in the scratch project imports its scripts/ (the folder it runs
+    # in comes first); no PYTHONPATH of its own, which would be a new input of
+    # every key (all variables are) and spoil the baseline's greens.
+    env = {**os.environ, "K3_PROJECT_ROOT": str(scratch),
            "K3_CACHE_DIR": str(layout.cache_dir)}
     # In the scratch project's build/, like its results: a file at its top would be
     # one of the project's files, an input of every key.

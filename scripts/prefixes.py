@@ -89,11 +89,16 @@ def python_path(layout: Layout, worktree: Path) -> str:
     return os.pathsep.join([str(worktree), str(layout.root)])
 
 
+# Where link_build_outputs links build/vllm's ignored files from (what a unit
+# in a worktree finds there: scripts/testrun.py keys it).
+LINKED = "vllm/"
+
+
 def link_build_outputs(tree: Path, worktree: Path) -> None:
     """Link what the editable install put into build/vllm (kernels, vendored
     packages): git ignores it, so a checkout does not bring it along."""
     out = git(tree, "ls-files", "--others", "--ignored", "--exclude-standard",
-              "--directory", "vllm/").stdout
+              "--directory", LINKED).stdout
     for entry in sorted(out.splitlines()):
         relative = entry.rstrip("/")
         if "__pycache__" in relative or relative.endswith(".pyc"):

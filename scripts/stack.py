@@ -28,6 +28,7 @@ from scripts.gitrepo import (
     import_release,
     is_stack_repo,
     read_state,
+    release_commit,
     remove_stale_git_locks,
     write_state,
 )
@@ -168,6 +169,7 @@ def apply(layout: Layout) -> None:
     if tree.exists():
         finish_interrupted_export(layout)
         _follow_base_tag(layout, pin)
+        release_commit(layout)  # a tag moved off the release: every diff would be wrong
     patches = read_series(layout)
     for p in patches:
         check_patch_paths(p)

@@ -1,4 +1,11 @@
-"""Which tests of a unit can see a change: the per-test half of `make test`'s reuse.
+"""Which tests of a unit ran a changed function: kept for per-test narrowing.
+
+`make test` does not use this module: the tests of a unit share one pytest
+process, and a test can observe what another ran (a cache filled by the
+first test that asked), so only a whole unit is carried over (README.md,
+"A result is carried over only when..."). Narrowing with it is sound only
+for tests that each run in a process of their own. What follows says what
+it computes.
 
 A unit (one pytest process of one test file, scripts/testrun.py) is keyed by
 what it reads of the vLLM tree (scripts/testdeps.py). When a read file
@@ -7,7 +14,7 @@ changes, the unit would run whole; yet a patch that edits one function of
 also records, per test, which functions of the tree it ran
 (scripts/reads/k3_pertest.py). This module compares two versions of the
 tree's Python files block by block and picks the tests that ran a block that
-changed; `make test` runs only those and carries the others' results over.
+changed.
 
 A file's blocks are its functions (a method is `Class.method`; what a
 function nests, lambdas and comprehensions included, is part of it) and its
@@ -53,19 +60,20 @@ class Blocks:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 name = prefix + node.name
-                self.digests[name] = _digest(node)
+                # Two defs of one name (`if X: def f` / `else: def f`): both count.
+                self.digests[name] = _digest(node, self.digests.get(name, ""))
                 if any(_decorator_name(d) not in _STATELESS_DECORATORS
                        for d in node.decorator_list):
                     self.stateful.add(name)
             elif isinstance(node, ast.ClassDef):
                 self._visit(node.body, f"{prefix}{node.name}.")
-            elif isinstance(node, (ast.If, ast.Try, ast.With)):
-                # `if TYPE_CHECKING:`, `try: import x`: definitions under them are
-                # still the module's (or the class's).
-                for part in ("body", "orelse", "finalbody"):
-                    self._visit(getattr(node, part, []), prefix)
-                for handler in getattr(node, "handlers", []):
-                    self._visit(handler.body, prefix)
+            else:
+                # `if TYPE_CHECKING:`, `try: import x`, `for`, `while`, `with`,
+                # `match ...: case _:`: definitions under any compound statement are
+                # still the module's (or the class's). _Skeleton strips their bodies
+                # too, so a def missed here would change no block at all.
+                for block in _bodies(node):
+                    self._visit(block, prefix)
 
     def block_of(self, qualname: str) -> str:
         """The block a code object of this file with `qualname` belongs to: the
@@ -133,8 +141,19 @@ def affected_tests(coverage: dict, changes: dict[str, tuple[str, str]]) -> tuple
     return chosen, ""
 
 
-def _digest(node: ast.AST) -> str:
-    return hashlib.sha256(ast.dump(node, include_attributes=False).encode()).hexdigest()
+def _digest(node: ast.AST, before: str = "") -> str:
+    return hashlib.sha256((before + ast.dump(node, include_attributes=False)).encode()
+                          ).hexdigest()
+
+
+def _bodies(node: ast.stmt) -> list[list[ast.stmt]]:
+    """The statement lists a compound statement holds: its bodies, its `else` and
+    `finally`, its handlers' (`except`, `except*`) and its cases' bodies."""
+    bodies = [getattr(node, part) for part in ("body", "orelse", "finalbody")
+              if isinstance(getattr(node, part, None), list)]
+    for holder in (*getattr(node, "handlers", []), *getattr(node, "cases", [])):
+        bodies.append(holder.body)
+    return bodies
 
 
 def _decorator_name(node: ast.expr) -> str:

@@ -111,7 +111,7 @@ class Reads:
         """What these reads see in `tree` (and the project): equal digests, equal
         bytes read."""
         if self.opaque:
-            return f"whole tree {tree.tree_id}"
+            return f"whole tree {tree.whole_id()}"
         return hashlib.sha256("\n".join(self._seen(tree, project)).encode()).hexdigest()
 
     def changed(self, before: TreeIndex, after: TreeIndex, project: Path) -> list[str]:
@@ -122,12 +122,6 @@ class Reads:
         paths = {line.split(" ", 2)[1] for line in set(self._seen(after, project)) ^ old}
         # A module lookup `pkg/mod` changes with its file `pkg/mod.py`: name the file.
         return sorted(p for p in paths if not any(q.startswith(p + ".") for q in paths))
-
-    def changed_entries(self, before: TreeIndex, after: TreeIndex, project: Path) -> list[str]:
-        """The entries (`<kind> <path>`) that see something else in `after`."""
-        old = set(self._seen(before, project))
-        return sorted({" ".join(line.split(" ", 2)[:2])
-                       for line in set(self._seen(after, project)) - old})
 
     def _seen(self, tree: TreeIndex, project: Path) -> list[str]:
         seen = []
@@ -171,12 +165,29 @@ def _file_state(kind: str, path: Path) -> str:
     return f"blob {mode}" + (f" {path.stat().st_size}" if kind == "s" else "")
 
 
+def _content_digest(path: Path, known: dict[str, str]) -> str:
+    """sha256 of a file's content, once per `known` (the indexes of one run share
+    it: each prefix's index sees build/vllm's kernels, hundreds of MB, too)."""
+    if str(path) not in known:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        known[str(path)] = digest.hexdigest()
+    return known[str(path)]
+
+
 class TreeIndex:
     """Every path of a git tree of `repo`: its mode, kind, object id and size, and
-    each folder's names (what git tracks: ignored build outputs are in no tree)."""
+    each folder's names; with `ignored`, also the files git ignores in that
+    checkout (those under `within`, if given), as the import system finds them:
+    in the checkout of the tree itself, or linked into another one."""
 
-    def __init__(self, repo: Path, tree_id: str):
+    def __init__(self, repo: Path, tree_id: str, ignored: Path | None = None,
+                 within: str = "", digests: dict[str, str] | None = None):
         self.tree_id = tree_id
+        self._ignored: dict[str, Path] = {}  # path -> file on disk, hashed when read
+        self._digests = {} if digests is None else digests  # file -> its content's sha256
         self._entries: dict[str, tuple[str, str, str, str]] = {
             ".": ("040000", "tree", tree_id, "-")}
         self._names: dict[str, list[str]] = {}
@@ -189,6 +200,37 @@ class TreeIndex:
             self._entries[path] = (mode, "link" if mode == "120000" else kind, oid, size)
             parent, _, name = path.rpartition("/")
             self._names.setdefault(parent or ".", []).append(name)
+        if ignored is not None and ignored.is_dir():
+            self._add_ignored(ignored, within)
+
+    def _add_ignored(self, worktree: Path, within: str) -> None:
+        """The ignored files in `worktree`, as entries of their own: Python imports
+        them all the same (a junk `mod.abi3.so` shadows `mod.py`; a `.pyc`
+        beside no source is a module; the wheel's copies under vllm/). Bytecode
+        caches are left out: they stand for their sources, which are read."""
+        out = git(worktree, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+                  *([within] if within else [])).stdout
+        for path in out.split("\0"):
+            if not path or "__pycache__" in path.split("/") or path in self._entries:
+                continue
+            file = worktree / path
+            if file.is_symlink() and not file.is_file():
+                entry = ("120000", "link", f"ignored {os.readlink(file)}", "-")
+            elif file.is_file():
+                mode = "100755" if os.access(file, os.X_OK) else "100644"
+                entry = (mode, "blob", "", str(file.stat().st_size))
+                self._ignored[path] = file
+            else:
+                continue
+            self._entries[path] = entry
+            parts = path.split("/")
+            for depth in range(len(parts)):
+                folder, name = "/".join(parts[:depth]) or ".", parts[depth]
+                if name not in self._names.setdefault(folder, []):
+                    self._names[folder].append(name)
+                inner = "/".join(parts[:depth + 1])
+                if depth < len(parts) - 1 and inner not in self._entries:
+                    self._entries[inner] = ("040000", "tree", "ignored", "-")
 
     def state(self, kind: str, path: str) -> str:
         """What a read (r), a stat (s) or a kind probe (k) of `path` sees: a file's
@@ -197,19 +239,31 @@ class TreeIndex:
         if path not in self._entries:
             return ABSENT
         mode, what, oid, size = self._entries[path]
+        if path in self._ignored and kind == "r" and not oid:
+            oid = "ignored " + _content_digest(self._ignored[path], self._digests)
+            self._entries[path] = (mode, what, oid, size)
         if what in ("tree", "commit") and kind != "r":
             return what
         if what != "blob" or kind == "r":
             return f"{what} {oid}"
         return f"blob {mode}" + (f" {size}" if kind == "s" else "")
 
-    def blob(self, path: str) -> str | None:
-        """The object id of a regular file `path`, or None."""
-        mode, what, oid, _ = self._entries.get(path, ("", "", "", ""))
-        return oid if what == "blob" and mode in ("100644", "100755") else None
+    def whole_id(self) -> str:
+        """The tree id, and the content of each ignored file (for a unit whose
+        reads could not be followed: it may have read anything)."""
+        if not self._ignored:
+            return self.tree_id
+        ignored = "\n".join(f"{p} {self.state('r', p)}" for p in sorted(self._ignored))
+        return f"{self.tree_id} {hashlib.sha256(ignored.encode()).hexdigest()}"
 
-    def entry(self, path: str) -> str:
-        return self.state("r", path)
+    def ignored_sources_id(self) -> str:
+        """The content of each ignored Python source (.py, .pyi): what a linter
+        that follows imports may read beyond the tree ("" if there is none)."""
+        sources = sorted(p for p in self._ignored if p.endswith((".py", ".pyi")))
+        if not sources:
+            return ""
+        listed = "\n".join(f"{p} {self.state('r', p)}" for p in sources)
+        return hashlib.sha256(listed.encode()).hexdigest()
 
     def listing(self, path: str) -> list[str]:
         return sorted(self._names.get(path, []))
@@ -217,8 +271,14 @@ class TreeIndex:
     def module_files(self, lookup: str) -> list[str]:
         """What an import of `name` finds in `folder` (lookup `<folder>/<name>`):
         the entries named `name` or `name.<suffix>` (a package, a source, a
-        compiled module), each with its kind."""
+        compiled module), each with its kind; a compiled module with its content
+        too (the loader opens a source, so its read is recorded; dlopen is not)."""
         folder, _, name = lookup.rpartition("/")
         folder = folder or "."
-        return [f"{n}={self.state('k', n if folder == '.' else f'{folder}/{n}')}"
-                for n in self.listing(folder) if n == name or n.startswith(name + ".")]
+        found = []
+        for n in self.listing(folder):
+            if n == name or n.startswith(name + "."):
+                path = n if folder == "." else f"{folder}/{n}"
+                compiled = not n.endswith(".py") and self._entries[path][1] == "blob"
+                found.append(f"{n}={self.state('r' if compiled else 'k', path)}")
+        return found

@@ -18,7 +18,13 @@ from pathlib import Path
 
 from scripts.common import Layout, StackError, rel, run, say
 from scripts.fetch import ensure_artifact
-from scripts.gitrepo import dirty_files, is_stack_repo, read_state
+from scripts.gitrepo import (
+    dirty_files,
+    ignored_stats,
+    is_stack_repo,
+    read_state,
+    record_build_outputs,
+)
 from scripts.lock import ENVIRONMENTS, VENV, LockedEnv
 from scripts.pin import Pin, load_pin
 
@@ -85,6 +91,7 @@ def _install_patched_tree(layout: Layout, pin: Pin, wheel: Path) -> None:
     say(f"installing {rel(layout.tree, layout)} into .venv (python-only build on "
         f"{wheel.name}'s kernels)")
     before = set(dirty_files(layout.tree))
+    ignored_before = ignored_stats(layout.tree)
     env = {
         "VLLM_USE_PRECOMPILED": "1",
         "VLLM_PRECOMPILED_WHEEL_LOCATION": str(wheel),
@@ -99,6 +106,7 @@ def _install_patched_tree(layout: Layout, pin: Pin, wheel: Path) -> None:
         raise StackError(f"the build changed tracked files in {rel(layout.tree, layout)}: "
                          f"{', '.join(sorted(new))}; add them to the excludes in "
                          "scripts/gitrepo.py or fix the build")
+    record_build_outputs(layout.tree, ignored_before)  # what `make clean` may delete
     _write_stamp(layout, editable=wanted)
 
 

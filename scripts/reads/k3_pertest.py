@@ -1,4 +1,7 @@
-"""Per-test record of `make test`: which functions of the tree each test runs.
+"""Per-test record: which functions of the tree each test runs.
+
+`make test` no longer turns it on (its units are reused whole: README.md);
+scripts/testblocks.py says what it is kept for.
 
 Started by the read tracker (sitecustomize.py) in a unit's pytest process,
 or in the fork server whose children run them (scripts/forkserver.py), when

@@ -4,7 +4,8 @@ process of a tracked test run through PYTHONPATH.
 It appends to $K3_READS_LOG, one line per path, what the process reads
 under the paths of $K3_READS_ROOT (the vLLM tree under test, and the
 project's files that are no part of every key): `r <path>` a file it opens
-(a module loaded from its cached bytecode counts as its source), `l <path>`
+(a module loaded from its cached bytecode counts as its source; a file a
+reader in C or Rust opens by its path, _NATIVE_READERS, too), `l <path>`
 a folder it lists, `s <path>` a path it stats, `k <path>` a path whose kind
 alone it asks for (exists, is a file, a folder, a link), `i <folder>/<name>` a module
 name the import system looks for in a folder (whatever the mechanism: an
@@ -19,6 +20,7 @@ with K3_TESTS_CHILD set (a test's subprocess), k3_pertest records all this
 process runs for that test.
 """
 
+import functools
 import os
 import sys
 import threading
@@ -31,6 +33,17 @@ _PROBES = frozenset({"uname", "ldconfig", "file", "lscpu", "nproc", "hostname", 
 # Their short options whose value is a path (-I., -o out): -D, -l, -O, -W and
 # the like name none.
 _PATH_OPTIONS = ("-I", "-L", "-o", "-B", "-F", "-include", "-isystem", "-iquote", "-imacros")
+# Readers in C, C++ or Rust that open a file by its path themselves, so that no
+# `open` audit event tells of it: wrapped as their module is imported, each call
+# records the path it is given (its first path argument, or one of _PATH_NAMES).
+# One that cannot be wrapped makes the run unfollowable once its module is loaded.
+_NATIVE_READERS = {
+    "safetensors": ("safe_open",),  # which safetensors.torch/.numpy's load_file use
+    "torch": ("from_file", "jit.load"),
+    "tokenizers": ("Tokenizer.from_file",),
+    "sentencepiece": ("SentencePieceProcessor.LoadFromFile",),
+}
+_PATH_NAMES = ("filename", "file", "path", "f", "model_file")
 
 
 def switch_log(path: str) -> None:
@@ -214,7 +227,19 @@ def _install() -> None:
         call.__wrapped__ = function
         return call
 
+    def reading(function):
+        def call(*args, **kwargs):
+            paths = [a for a in args if isinstance(a, (str, bytes, os.PathLike))][:1]
+            for path in paths + [kwargs[k] for k in _PATH_NAMES if k in kwargs]:
+                where = under_root(path)
+                if where is not None:
+                    note("r", where)
+            return function(*args, **kwargs)
+
+        return functools.update_wrapper(call, function)  # its name, its doc
+
     _track_module_lookups(under_root, note, importing)
+    _follow_native_readers(reading, note)
     for module, name, kind in _PATH_FUNCTIONS:
         setattr(module, name, recorded(getattr(module, name), kind))
     sys.addaudithook(hook)
@@ -227,6 +252,54 @@ def _install() -> None:
         import k3_pertest
 
         k3_pertest.start_child()
+
+
+def _follow_native_readers(reading, note) -> None:
+    """Wrap each of _NATIVE_READERS with `reading` once its module has run (a
+    finder first on sys.meta_path hands out the module's spec with its loader's
+    exec_module extended)."""
+
+    def wrap(module):
+        for dotted in _NATIVE_READERS[module.__name__]:
+            *outer, name = dotted.split(".")
+            holder = module
+            for part in outer:
+                holder = getattr(holder, part, None)
+            original = getattr(holder, name, None)
+            if original is None:
+                continue  # not in this version: nothing to read with
+            wrapped = reading(original)
+            if isinstance(holder, type) and getattr(original, "__self__", None) is holder:
+                wrapped = staticmethod(wrapped)  # a classmethod, bound already
+            try:
+                setattr(holder, name, wrapped)
+            except (AttributeError, TypeError):
+                note("x", f"reads files unseen: {module.__name__}.{dotted}")
+
+    class AfterImport:
+        @staticmethod
+        def find_spec(fullname, path=None, target=None):
+            if fullname not in _NATIVE_READERS:
+                return None
+            for finder in sys.meta_path:
+                find = getattr(finder, "find_spec", None)
+                spec = None if finder is AfterImport or find is None else find(
+                    fullname, path, target)
+                if spec is not None and spec.loader is not None:
+                    run = spec.loader.exec_module
+
+                    def exec_module(module, run=run):
+                        run(module)
+                        wrap(module)
+
+                    try:
+                        spec.loader.exec_module = exec_module
+                    except AttributeError:  # a loader that takes no attribute
+                        note("x", f"reads files unseen: {fullname}")
+                    return spec
+            return None
+
+    sys.meta_path.insert(0, AfterImport)
 
 
 def _path_functions():

@@ -148,3 +148,16 @@ def test_apply_and_check_on_a_machine_without_git_identity(stacked):
     assert f"[2/2] applied {PATCH_2}" in result.stdout
     assert "check OK: 2 patch(es)" in stacked.ok("check").stdout
     assert "already applied" in stacked.ok("apply").stdout
+
+
+def test_apply_refuses_a_release_tag_moved_off_the_release(stacked):
+    """`git tag -f vllm-X stack` would make the stack empty against its base: the
+    overlay would be emptied and make test would check nothing (issue 31, case 7)."""
+    overlay = snapshot(stacked.overlay)
+    stacked.git("tag", "-f", f"vllm-{V1}", "stack")
+    result = stacked.run("apply")
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: build/vllm: tag vllm-{V1} points at ")
+    assert f"put it back with `git -C build/vllm tag -f vllm-{V1} " in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert snapshot(stacked.overlay) == overlay

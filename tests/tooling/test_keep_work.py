@@ -8,6 +8,8 @@ started and that was killed (index.lock left behind) is recovered.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
 
 import pytest
@@ -232,8 +234,10 @@ def test_clean_keeps_ignored_work_and_deletes_what_the_tooling_made(stacked):
     for path in IGNORED_WORK:
         (stacked.tree / path).parent.mkdir(parents=True, exist_ok=True)
         (stacked.tree / path).write_text("# mine\n")
-    # What the python-only build and pytest leave: remade on the next `make build`.
-    made = {"vllm/_C.abi3.so": b"\x7fELF", "vllm/__pycache__/foo.cpython-311.pyc": b"pyc",
+    # What the python-only build and Python leave: remade on the next `make build`
+    # (the wheel's files, copied) and the next import (bytecode of a source there).
+    made = {"vllm/_C.abi3.so": hashlib.sha256(V1.encode()).digest() * 64,
+            "vllm/models/__pycache__/foo.cpython-311.pyc": b"pyc",
             WHEEL_COPY[0]: WHEEL_COPY[1]}
     for path, data in made.items():
         (stacked.tree / path).parent.mkdir(parents=True, exist_ok=True)
@@ -245,6 +249,37 @@ def test_clean_keeps_ignored_work_and_deletes_what_the_tooling_made(stacked):
     forced = stacked.ok("clean", "--force")
     assert all(path in forced.stdout for path in IGNORED_WORK)
     assert not stacked.tree.exists()
+
+
+# Named as the tooling's excludes name build outputs (*.so, *.pyc, /build/,
+# /.deps/), made by the user: kept and named all the same.
+LOOK_ALIKE = ["vllm/models/mine.abi3.so", "vllm/models/mine.pyc", "build/lib/mine.py",
+              ".deps/cutlass/mine.h", "vllm/models/__pycache__/gone.cpython-311.pyc"]
+
+
+def test_clean_keeps_files_that_look_like_build_outputs_but_the_tooling_did_not_make(
+        stacked):
+    """Only what the tooling itself made goes without asking: what `make build`
+    wrote (recorded in the state file, as long as nobody changed it), the
+    wheel's files and Python's bytecode of a source that is there."""
+    from scripts.gitrepo import ignored_stats, record_build_outputs
+
+    before = ignored_stats(stacked.tree)
+    built = stacked.tree / "build" / "temp" / "setup.o"  # as a build writes it
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"obj")
+    record_build_outputs(stacked.tree, before)
+    for path in LOOK_ALIKE:
+        (stacked.tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (stacked.tree / path).write_bytes(b"mine\n")
+    result = stacked.run("clean")
+    assert_refused_and_kept(stacked, result, "ignored files", *LOOK_ALIKE)
+    assert "build/temp/setup.o" not in result.stderr
+    assert all((stacked.tree / path).exists() for path in LOOK_ALIKE)
+    # Changed since the build wrote it: someone's work now.
+    built.write_bytes(b"obj, edited")
+    os.utime(built, ns=(1, 1))
+    assert "build/temp/setup.o" in stacked.run("clean").stderr
 
 
 def test_clean_keeps_worktrees_whatever_their_path(stacked, tmp_path):

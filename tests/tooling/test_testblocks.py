@@ -66,6 +66,29 @@ def test_a_file_changes_in_its_function_bodies_or_in_its_skeleton(edit, blocks):
     assert _changed(SOURCE.replace(*edit)) == blocks
 
 
+@pytest.mark.parametrize(("source", "block"), [
+    ("match 1:\n    case _:\n        def f():\n            return 1\n", "f"),
+    ("for _ in [0]:\n    def f():\n        return 1\n", "f"),
+    ("while True:\n    def f():\n        return 1\n    break\n", "f"),
+    ("for _ in []:\n    pass\nelse:\n    def f():\n        return 1\n", "f"),
+    ("try:\n    pass\nexcept* ValueError:\n    def f():\n        return 1\n", "f"),
+    ("with open('x') as g:\n    class C:\n        def f(self):\n            return 1\n",
+     "C.f"),
+    ("for _ in [0]:\n    class C:\n        def f(self):\n            return 1\n", "C.f"),
+    ("if X:\n    def f():\n        return 1\nelse:\n    def f():\n        return 2\n",
+     "f"),
+], ids=["match-case", "for", "while", "for-else", "except-star", "class-under-with",
+        "class-under-for", "same-name-twice"])
+def test_a_def_under_any_compound_statement_is_a_block(source, block):
+    """_Skeleton strips the body of every def: one that no block holds would
+    change nothing at all when its body changes."""
+    assert _changed_in(source, source.replace("return 1", "return 3")) == {block}
+
+
+def _changed_in(old: str, new: str) -> set[str]:
+    return changed_blocks(Blocks(old), Blocks(new))
+
+
 def test_code_objects_belong_to_their_outermost_function():
     blocks = Blocks(SOURCE)
     assert blocks.block_of("Model.forward.<locals>.<listcomp>") == "Model.forward"

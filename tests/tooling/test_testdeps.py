@@ -50,12 +50,14 @@ class Tree:
         self.git("add", "-A")
         return self.git("write-tree")
 
-    def run(self, program: str, tmp_path: Path, *, env: dict | None = None) -> Reads:
-        """Run `program` in the tree under the tracker; what it read."""
+    def run(self, program: str, tmp_path: Path, *, env: dict | None = None,
+            path: list[Path] = ()) -> Reads:
+        """Run `program` in the tree under the tracker (`path` after the tree on
+        PYTHONPATH); what it read."""
         log = tmp_path / "reads.log"
         log.unlink(missing_ok=True)
         full = {**os.environ, **tracker_env(log, self.root, [], BASE), **(env or {}),
-                "PYTHONPATH": os.pathsep.join([str(TRACKER_DIR), str(self.root)])}
+                "PYTHONPATH": os.pathsep.join(map(str, [TRACKER_DIR, self.root, *path]))}
         result = subprocess.run([sys.executable, "-c", textwrap.dedent(program)],
                                 cwd=self.root, env=full, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
@@ -214,3 +216,60 @@ def test_pytest_reads_the_files_beside_a_test_only_when_given_their_folder(
     (tree.root / "checks/test_two.py").unlink()
     tree.write("checks/notes.txt", "not a test\n")
     assert (tree.digest(reads) != before) is sibling_counts
+
+
+# Readers that open a file themselves, as C or Rust code does: through libc, so
+# that Python's `open` audit event never fires.
+NATIVE_READ = """\
+import ctypes
+import os
+
+_libc = ctypes.CDLL(None)
+
+
+def _read(path):
+    fd = _libc.open(os.fsencode(path), 0)
+    buffer = ctypes.create_string_buffer(64)
+    size = _libc.read(fd, buffer, 64)
+    _libc.close(fd)
+    return buffer.raw[:size]
+"""
+FAKE_READERS = {
+    "safetensors": NATIVE_READ + "\n\ndef safe_open(filename, framework, device='cpu'):\n"
+                                 "    return _read(filename)\n",
+    "torch": NATIVE_READ + "\n\ndef from_file(filename, shared=None, size=0):\n"
+                           "    return _read(filename)\n",
+    "tokenizers": NATIVE_READ + "\n\nclass Tokenizer:\n    @classmethod\n"
+                                "    def from_file(cls, path):\n        return _read(path)\n",
+}
+CALLS = {"safetensors": "safetensors.safe_open('data/w.bin', framework='np')",
+         "torch": "torch.from_file(filename='data/w.bin', size=4)",
+         "tokenizers": "tokenizers.Tokenizer.from_file('data/w.bin')"}
+
+
+@pytest.mark.parametrize("reader", list(FAKE_READERS))
+def test_a_file_a_native_reader_opens_is_recorded(tree, tmp_path, reader):
+    """Case 3: safetensors (Rust), torch.from_file (C++), tokenizers (Rust) read
+    a file of the tree by its path: its content is an input all the same."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / f"{reader}.py").write_text(FAKE_READERS[reader])
+    tree.write("data/w.bin", "weights\n")
+    program = f"import {reader}\nassert {CALLS[reader]} == b'weights\\n'\n"
+    reads = tree.run(program, tmp_path, path=[lib])
+    assert "r data/w.bin" in reads.entries
+    before = tree.digest(reads)
+    tree.write("data/w.bin", "changed\n")
+    assert tree.digest(reads) != before
+
+
+def test_a_real_safetensors_read_is_recorded(tree, tmp_path):
+    pytest.importorskip("safetensors")
+    numpy = pytest.importorskip("numpy")
+    from safetensors.numpy import save_file
+
+    (tree.root / "data").mkdir(exist_ok=True)
+    save_file({"w": numpy.arange(4, dtype=numpy.float32)}, str(tree.root / "data/w.st"))
+    reads = tree.run("from safetensors.numpy import load_file\n"
+                     "assert load_file('data/w.st')['w'].sum() == 6\n", tmp_path)
+    assert "r data/w.st" in reads.entries

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,17 @@ def test_junit_counts(tmp_path):
     assert (part.passed, part.failed, part.skipped) == (5, 2, 3)
 
 
+@pytest.mark.parametrize("content", ['<testsuites><testsuite tests="3"', "\xff",
+                                     '<testsuites><testsuite tests="x"/></testsuites>'],
+                         ids=["cut-short", "not-xml", "not-a-number"])
+def test_a_junit_file_that_cannot_be_read_is_a_failure(tmp_path, content):
+    """Nothing known is no green, and no traceback either."""
+    (tmp_path / "x.xml").write_text(content)
+    part = testrun._read_junit(tmp_path / "x.xml")
+    assert (part.passed, part.failed, part.note) == (0, 1, "x.xml cannot be read: nothing "
+                                                           "is known")
+
+
 def test_missing_junit_counts_nothing(tmp_path):
     part = testrun._read_junit(tmp_path / "absent.xml")
     assert (part.passed, part.failed, part.skipped) == (0, 0, 0)
@@ -80,6 +93,16 @@ def test_summary_ends_with_the_closing_line_ci_reads(capsys, failed, code):
     assert testrun._summarize(outcomes) == code
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == f"5 passed, {failed} failed, 1 skipped"
+
+
+@pytest.mark.parametrize("outcomes", [[], [testrun.Outcome("stack")],
+                                      [testrun.Outcome("stack (ROCm)", skipped=3)]],
+                         ids=["no-row", "empty-row", "all-skipped"])
+def test_a_run_that_checked_nothing_is_no_green(capsys, outcomes):
+    """An empty result set proves nothing (issue 31, case 7: a moved release tag
+    left the stack row without tests, and it said `0 passed, 0 failed`, exit 0)."""
+    assert testrun._summarize(outcomes) == 1
+    assert "nothing was checked" in capsys.readouterr().out
 
 
 def _layout_with_this_python(root: Path) -> Layout:
@@ -130,6 +153,22 @@ def test_pytest_runs_without_humming_background_builds(tmp_path, monkeypatch):
         part = testrun._pytest(layout, ["test_env.py"], tmp_path, [tmp_path],
                                tmp_path / "env.log", None, None)
         assert (part.passed, part.failed) == (1, 0), (tmp_path / "env.log").read_text()
+
+
+def test_a_unit_has_a_temporary_folder_of_its_own_but_shares_torch_caches(tmp_path,
+                                                                          monkeypatch):
+    """TMPDIR is the unit's, removed with it; torch's inductor cache, which
+    lives in the temporary folder by default, stays where it was for all."""
+    (tmp_path / "test_tmp.py").write_text(
+        "import os\nimport tempfile\n\n\ndef test_tmp():\n"
+        "    assert os.path.basename(tempfile.gettempdir()).startswith('k3-unit-')\n"
+        "    assert os.environ['TORCHINDUCTOR_CACHE_DIR'] == os.environ['WANTED']\n")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("WANTED", testrun._shared_caches()["TORCHINDUCTOR_CACHE_DIR"])
+    assert os.path.dirname(os.environ["WANTED"]) == tempfile.gettempdir()
+    part = testrun._pytest(_layout_with_this_python(tmp_path), ["test_tmp.py"], tmp_path,
+                           [tmp_path], tmp_path / "tmp.log", None, None)
+    assert (part.passed, part.failed) == (1, 0), (tmp_path / "tmp.log").read_text()
 
 
 def _real_hadolint() -> Path | None:

@@ -343,7 +343,15 @@ def build(
             draft_compilation(vllm_config.compilation_config),
         )
     cls = cls or drafter_class()
-    checkpoint_dir = checkpoint_dir or tempfile.mkdtemp(prefix="k3-dspark-ckpt-")
+    with contextlib.ExitStack() as scratch:
+        if checkpoint_dir is None:  # ours: gone once the weights are loaded
+            checkpoint_dir = scratch.enter_context(
+                tempfile.TemporaryDirectory(prefix="k3-dspark-ckpt-")
+            )
+        return _build_from(cls, vllm_config, hf_config, checkpoint_dir, seed)
+
+
+def _build_from(cls, vllm_config, hf_config, checkpoint_dir: str, seed: int) -> Draft:
     tensors = write_checkpoint(hf_config, checkpoint_dir, seed)
     with config_context(vllm_config):
         init_dist()
