@@ -23,7 +23,8 @@ from scripts.amd_resources.targets import Arch
 
 def production_resources(tree: Path, arch: Arch, jobs: int = 1) -> list[Resources]:
     with rocm_modules(tree, arch) as load:
-        launches = shapes.attention_launches(load, tree, arch) + shapes.sampler_launches(load)
+        launches = (shapes.attention_launches(load, tree, arch) + shapes.sampler_launches(load)
+                    + shapes.v1_sampler_launches(tree))
         return compile_all(launches, arch, jobs)
 
 

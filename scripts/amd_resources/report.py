@@ -8,9 +8,9 @@ from scripts.amd_resources.resources import Resources
 
 # Paths whose kernels the stack adds or changes: the check holds them to the
 # GPU's limits. The flat path is 0.33.0's, shown for reference.
-CHECKED_PATHS = ("block", "sampler")
+CHECKED_PATHS = ("block", "sampler", "v1 sampler")
 PATH_NAMES = {"block": "block (patch 7)", "sampler": "sampler (patch 6)",
-              "flat": "flat (0.33.0, ref.)"}
+              "v1 sampler": "V1 sampler (patch 9)", "flat": "flat (0.33.0, ref.)"}
 # Constexprs that are the same at every production shape (512 + 64 latent).
 _FIXED_BLOCKS = {"BLOCK_DV", "BLOCK_DMODEL", "BLOCK_DPE"}
 
@@ -85,7 +85,7 @@ def summary_rows(results: list[Resources]) -> list[list[str]]:
             for (arch, path, kernel, tile_text, launch, figures), (caches, count) in merged.items()]
 
 
-_PATH_ORDER = ("block", "sampler", "flat")
+_PATH_ORDER = ("block", "sampler", "v1 sampler", "flat")
 
 
 def _kv_caches(result: Resources) -> tuple[tuple[str, str], ...]:

@@ -10,6 +10,9 @@ launches is recorded (kernel_tree.record_launches), never run.
   ROCm runs today), called as `TritonMLAImpl.forward_mqa` calls them.
 - Patch 6, `rejection_sample`, as the GPU model runner's rejection sampler
   calls it.
+- Patch 9, the V1 rejection sampler's `sample_recovered_tokens_kernel`, as its
+  dispatcher launches it. That module needs all of vLLM, so the kernel (which
+  uses only `tl`) is compiled from the tree's file alone.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import ast
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 import triton
@@ -29,6 +32,8 @@ DECODE_ATTENTION = "vllm.v1.attention.ops.triton_decode_attention"
 BLOCK_DECODE = "vllm.v1.attention.ops.triton_mla_block_decode"
 TRITON_MLA = "vllm/v1/attention/backends/mla/triton_mla.py"
 REJECTION_SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"
+V1_SAMPLER = "vllm/v1/sample/rejection_sampler.py"
+V1_RECOVERY_KERNEL = "sample_recovered_tokens_kernel"
 
 # K3 (per tensor-parallel rank) and its DSpark drafter.
 KV_LORA_RANK = 512
@@ -162,3 +167,39 @@ def sampler_launches(load) -> list[Launch]:
             launch.shape = {"path": "sampler", "method": method, "drafts": drafts}
         launches += recorded
     return launches
+
+
+def v1_sampler_launches(tree: Path) -> list[Launch]:
+    """The V1 sampler's recovery kernel as `_sample_recovered_tokens` launches
+    it (BLOCK_SIZE 8192), with draft probabilities and without (n-gram), and
+    with the fp32 and fp64 exponential race."""
+    kernel = _jit_from_file(tree / V1_SAMPLER, V1_RECOVERY_KERNEL)
+    reqs, steps = SAMPLER_REQUESTS, NUM_SPECULATIVE_STEPS
+    rows = reqs * steps
+    launches = []
+    for no_draft_probs, fp64 in itertools.product((False, True), (False, True)):
+        race = torch.float64 if fp64 else torch.float32
+        args = (_meta(rows, dtype=torch.int64), _meta(reqs, dtype=torch.int32),
+                _meta(rows, dtype=torch.int64),
+                None if no_draft_probs else _meta(rows, VOCAB_SIZE, dtype=torch.float32),
+                _meta(rows, VOCAB_SIZE, dtype=torch.float32),
+                _meta(reqs, VOCAB_SIZE, dtype=race), VOCAB_SIZE)
+        kwargs = {"BLOCK_SIZE": 8192, "NO_DRAFT_PROBS": no_draft_probs,
+                  "USE_FP64_GUMBEL": fp64}
+        launches.append(Launch(kernel, (reqs, steps), args, kwargs,
+                               {"path": "v1 sampler", "draft_probs": not no_draft_probs,
+                                "race": "fp64" if fp64 else "fp32"}))
+    return launches
+
+
+def _jit_from_file(path: Path, name: str):
+    """The `@triton.jit` function `name` of a file, defined on its own."""
+    module = ast.parse(path.read_text(), str(path))
+    found = [node for node in module.body
+             if isinstance(node, ast.FunctionDef) and node.name == name]
+    if not found:
+        raise LookupError(f"{path}: no {name}")
+    namespace = {"triton": triton, "tl": triton.language,
+                 "__name__": ".".join(PurePosixPath(V1_SAMPLER).with_suffix("").parts)}
+    exec(compile(ast.Module(found, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]

@@ -1,8 +1,9 @@
 """The stack's Triton kernels, compiled for MI300 (gfx942) and MI355 (gfx950) on CPU.
 
 `python -m scripts.amd_resources` compiles, with Triton's AMD backend, every
-launch that patch 6's `rejection_sample` and patch 7's
-`decode_attention_fwd_mla_block` make at the drafter's production shapes, with
+launch that patch 6's `rejection_sample`, patch 7's
+`decode_attention_fwd_mla_block` and patch 9's V1 recovery kernel make at the
+drafter's production shapes (the block path at 1, 3 and 16 requests), with
 the launch options and constexprs the wrappers pass on ROCm, and exits 1 when
 one does not compile, needs more LDS than a CU has, or spills. It runs in a
 process of its own: it imports the tree's kernel files under a ROCm platform
@@ -27,13 +28,13 @@ from scripts.amd_resources.targets import arch_named, waves_by_registers, waves_
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("gfx942", "gfx950")
 STAGE1 = "_fwd_mla_block_kernel_stage1"
-# What the wrappers of patches 6 and 7 launch (with draft logits and one-hot
+# What the wrappers of patches 6, 7 and 9 launch (with draft logits and one-hot
 # drafts, standard and block verification).
 STACK_KERNELS = {
     STAGE1, "_fwd_mla_block_kernel_stage2", "_mla_block_plan_kernel",
     "_compute_local_logits_stats_kernel", "_compute_cumulative_log_p_kernel",
     "_compute_local_residual_mass_kernel", "_rejection_kernel", "_resample_kernel",
-    "_insert_resampled_kernel",
+    "_insert_resampled_kernel", "sample_recovered_tokens_kernel",
 }
 # heads per rank x query_len x KV dtype x page x KV storage (under/over 2 GiB)
 PRODUCTION_SHAPES = 4 * 7 * 2 * 2 * 2

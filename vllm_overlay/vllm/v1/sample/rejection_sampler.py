@@ -1104,10 +1104,6 @@ def sample_recovered_tokens_kernel(
     else:
         max_val = tl.full((), float("-inf"), tl.float32)
     recovered_id = 0
-    # NaN or +/-inf where the draft probabilities came from non-finite draft
-    # logits (a drafter with a corrupted state): then the row is no
-    # distribution, see below.
-    draft_sum = tl.zeros((), dtype=tl.float32)
     for v in range(0, vocab_size, BLOCK_SIZE):
         vocab_offset = v + tl.arange(0, BLOCK_SIZE)
         vocab_mask = vocab_offset < vocab_size
@@ -1129,8 +1125,14 @@ def sample_recovered_tokens_kernel(
                 mask=vocab_mask,
                 other=0.0,
             )
+            # Draft logits that are not finite (a drafter with a corrupted
+            # state) give a NaN softmax row. Its token is rejected whatever
+            # the target (draft_prob > 0 fails for NaN); rejecting with
+            # probability 1 stays lossless only if the recovered token is drawn
+            # from the target itself, so NaN counts as 0 here. Otherwise
+            # max(target - NaN, 0) is 0 everywhere and token 0 won every time.
+            draft_prob = tl.where(draft_prob == draft_prob, draft_prob, 0.0)
             prob = tl.maximum(target_prob - draft_prob, 0.0)
-            draft_sum += tl.sum(draft_prob.to(tl.float32))
             # NOTE(woosuk): We don't need `prob = prob / tl.sum(prob)` here because
             # `tl.argmax` will select the maximum value.
 
@@ -1151,35 +1153,6 @@ def sample_recovered_tokens_kernel(
         if local_max > max_val:
             max_val = local_max
             recovered_id = v + local_id
-
-    if not NO_DRAFT_PROBS:  # noqa: SIM102 - a constexpr: compiled out
-        # A draft row that is no distribution rejects its token whatever the
-        # target (draft_prob > 0 fails for NaN), and its residual
-        # max(target - NaN, 0) is 0 everywhere, which recovered token 0 every
-        # time. Rejecting with probability 1, sampling stays lossless only if
-        # the recovered token is drawn from the target itself. NaN fails both
-        # comparisons.
-        if not ((draft_sum > float("-inf")) & (draft_sum < float("inf"))):
-            max_val = tl.full((), float("-inf"), max_val.dtype)
-            recovered_id = 0
-            for v in range(0, vocab_size, BLOCK_SIZE):
-                vocab_offset = v + tl.arange(0, BLOCK_SIZE)
-                vocab_mask = vocab_offset < vocab_size
-                target_prob = tl.load(
-                    target_probs_ptr + token_idx * vocab_size + vocab_offset,
-                    mask=vocab_mask,
-                    other=0.0,
-                )
-                inv_q = tl.load(
-                    inv_q_ptr + req_idx * vocab_size + vocab_offset,
-                    mask=vocab_mask,
-                    other=0.0,
-                )
-                score = tl.where(vocab_mask, target_prob * inv_q, float("-inf"))
-                local_max, local_id = tl.max(score, axis=0, return_indices=True)
-                if local_max > max_val:
-                    max_val = local_max
-                    recovered_id = v + local_id
 
     recovered_id = tl.minimum(recovered_id, vocab_size - 1)
     tl.store(output_token_ids_ptr + token_idx, recovered_id)
