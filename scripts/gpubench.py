@@ -241,10 +241,12 @@ def _stack_at(project: Path, commit: str, source: Path, base: str,
     with tempfile.TemporaryDirectory(prefix="k3-gpubench-patches-") as scratch:
         folder = Path(scratch) / "patches"
         folder.mkdir()
-        listed = git(project, "ls-tree", "--name-only", commit, "patches/").stdout.split()
-        for path in listed:
-            data = git(project, "show", f"{commit}:{path}", text=False).stdout
-            (folder / PurePosixPath(path).name).write_bytes(data)
+        # The series and the patch files: the blobs of patches/ itself.
+        for line in git(project, "ls-tree", commit, "patches/").stdout.splitlines():
+            meta, _, path = line.partition("\t")
+            if meta.split()[1] == "blob":
+                data = git(project, "show", f"{commit}:{path}", text=False).stdout
+                (folder / PurePosixPath(path).name).write_bytes(data)
         try:
             patches = read_series(Layout(Path(scratch)))
         except StackError as e:
