@@ -84,6 +84,17 @@ def unexported_commits(layout: Layout, base: str) -> list[str]:
             if render_commit(layout, c) not in exported]
 
 
+def series_differs(layout: Layout, base: str) -> bool:
+    """Whether the branch, every commit of it exported, is not patches/series in
+    order: patches reordered or dropped in build/vllm since the last export."""
+    commits = [render_commit(layout, c) for c in commits_since(layout.tree, base)]
+    try:
+        listed = [p.path.read_bytes() for p in read_series(layout)]
+    except StackError:
+        return True  # a series that cannot be read cannot show the branch is in it
+    return commits != listed
+
+
 def recover_interrupted_apply(layout: Layout) -> None:
     """Undo what a killed `make apply` left: git's lock files, its `git am`, and
     a half-done `git checkout` of the base.
@@ -155,6 +166,12 @@ def guard_tree(layout: Layout, action: str) -> None:
             + f"\nRun `make patches` to export them, or keep them on a branch "
             f"(`git -C {where} branch saved-work`; `make clean` keeps it) and reset with "
             f"`git -C {where} reset --hard {base}`; then run {action} again.")
+    if base and not untouched and series_differs(layout, base):
+        raise StackError(
+            f"{where}'s commits are not patches/series in order (patches reordered or "
+            f"dropped there): {action} would undo that. Run `make patches` to export "
+            f"the new order, or reset with `git -C {where} reset --hard {base}`; then "
+            f"run {action} again.")
 
 
 # --- apply --------------------------------------------------------------------

@@ -4,8 +4,10 @@ Rows, in order:
 - tooling: tests of this repository's scripts (tests/tooling/);
 - lint: vLLM's pre-commit checks on the files the stack changes;
 - recipes: hadolint on the project's container recipes (docker/Dockerfile*);
-- prefix k/n: each shorter prefix of the stack, linted and with the vLLM test
-  files it adds or changes, run in a worktree (scripts/prefixes.py);
+- prefix k/n: each shorter prefix of the stack, linted, with the vLLM test
+  files it adds or changes, and with the check that its draft step launches
+  no more kernels than the release's (tests/verification/
+  test_kernel_budget_of_each_prefix.py), run in a worktree (scripts/prefixes.py);
 - stack: the vLLM test files the stack adds or changes, run in build/vllm;
 - regression: vLLM's existing tests of the code the stack touches
   (tests/vllm_regression.txt), run in build/vllm, a pytest process per folder;
@@ -75,6 +77,8 @@ from scripts.venv import venv_python
 REGRESSION_LIST = "tests/vllm_regression.txt"
 ROCM_LIST = "tests/vllm_regression_rocm.txt"
 VERIFICATION = "tests/verification"
+# Run in each prefix row too, with that prefix on PYTHONPATH.
+PREFIX_BUDGET = f"{VERIFICATION}/test_kernel_budget_of_each_prefix.py"
 ROCM_PLUGIN = ("-p", "rocm_emulation.plugin")
 JOBS_ENV = "K3_TEST_JOBS"
 LOG_TAIL = 40  # lines of a failing command's output shown as it fails
@@ -349,6 +353,11 @@ def _prefix_rows(layout: Layout, base: str, prefixes: PrefixTrees,
         jobs += [_vllm_unit(layout, suite, f, [f], worktree, [worktree, layout.root], tree,
                             servers, checkout)
                  for f in stack_test_files(layout.tree, base, commit)]
+        # The prefix is a vLLM users run: its draft step launches no more than the release's.
+        if (layout.root / PREFIX_BUDGET).exists():
+            jobs.append(_pytest_job(layout, suite, "kernel budget", PREFIX_BUDGET,
+                                    [PREFIX_BUDGET], layout.root, [worktree, layout.root],
+                                    tree=tree, tracked=worktree, checkout=checkout))
         rows.append(Row(suite, tree, jobs))
     return rows
 

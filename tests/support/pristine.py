@@ -26,23 +26,26 @@ def pristine_git_dir() -> Path:
     return Path(os.environ.get("K3_PRISTINE_GIT_DIR", PROJECT_ROOT / "build" / "vllm"))
 
 
-def _unreadable(relpath: str, repo: Path, stderr: str) -> FileNotFoundError:
+def _unreadable(
+    relpath: str, repo: Path, stderr: str, rev: str | None = None
+) -> FileNotFoundError:
     return FileNotFoundError(
-        f"cannot read pristine {relpath} from {repo} at {base_tag()}: "
+        f"cannot read {relpath} from {repo} at {rev or base_tag()}: "
         f"{stderr.strip()} (run `make apply` first)"
     )
 
 
-def extract_pristine_package(dest: Path) -> Path:
-    """Write the pristine release's ``vllm/`` package under ``dest`` (a folder
-    to put first on ``PYTHONPATH``) and return ``dest``."""
+def extract_pristine_package(dest: Path, rev: str | None = None) -> Path:
+    """Write the pristine release's ``vllm/`` package (or that of commit
+    ``rev`` of the same repository, a prefix of the stack) under ``dest`` (a
+    folder to put first on ``PYTHONPATH``) and return ``dest``."""
     repo = pristine_git_dir()
     result = subprocess.run(
-        ["git", "-C", str(repo), "archive", "--format=tar", base_tag(), "vllm"],
+        ["git", "-C", str(repo), "archive", "--format=tar", rev or base_tag(), "vllm"],
         capture_output=True,
     )
     if result.returncode != 0:
-        raise _unreadable("vllm/", repo, result.stderr.decode(errors="replace"))
+        raise _unreadable("vllm/", repo, result.stderr.decode(errors="replace"), rev)
     with tarfile.open(fileobj=io.BytesIO(result.stdout)) as archive:
         archive.extractall(dest, filter="data")
     return dest

@@ -121,6 +121,27 @@ def test_apply_and_clean_refuse_a_commit_not_exported(stacked):
     assert (stacked.downloads / f"vllm-{V1}.tar.gz").exists()
 
 
+def test_apply_refuses_patches_reordered_or_dropped_in_build_vllm(stacked):
+    """Every commit exported, but in another order than patches/series (or one
+    dropped): apply would put the series' order back, so it refuses."""
+    base = f"vllm-{V1}"
+    first, second = stacked.git("rev-list", "--reverse", f"{base}..HEAD").split()
+    stacked.git("reset", "-q", "--hard", base)
+    stacked.git("cherry-pick", second, first)  # patch 2, then patch 1
+    head = stacked.head()
+    result = stacked.run("apply")
+    assert result.returncode == 1, result.stdout
+    assert "not patches/series in order" in result.stderr
+    assert "make patches" in result.stderr and "Traceback" not in result.stderr
+    assert stacked.head() == head and stacked.series() == [PATCH_1, PATCH_2]
+    stacked.ok("patches")
+    assert stacked.series() == [PATCH_2, PATCH_1]
+    assert "2 patch(es) already applied" in stacked.ok("apply").stdout
+    stacked.git("reset", "-q", "--hard", "HEAD~1")  # drop patch 1
+    result = stacked.run("apply")
+    assert result.returncode == 1 and "not patches/series in order" in result.stderr
+
+
 def test_apply_leaves_a_foreign_build_tree_alone(project):
     project.tree.mkdir(parents=True)
     (project.tree / "mine.txt").write_text("hand made\n")

@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import subprocess
 import sys
 import tempfile
 import types
@@ -72,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.support.pristine import base_tag, extract_pristine_package
+from tests.support.pristine import base_tag, extract_pristine_package, pristine_git_dir
 from tests.verification.harness.zygote import Zygote
 
 PHASES = ("context_kv", "first_layer", "layer", "model")
@@ -119,7 +120,10 @@ ALLOWED_EXTRA: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Config:
-    module: str  # "baseline" (0.33.0's NVIDIA module), "nvidia" or "amd"
+    # "baseline" (0.33.0's NVIDIA module), "nvidia", "amd", or "registry": the
+    # class vLLM's registry gives ``K3DSparkModel`` on ROCm, which is what ROCm
+    # users run with the tree (0.33.0: the NVIDIA module).
+    module: str
     cache: str  # "bf16" or "fp8"
     mode: str  # "compiled" or "eager"
 
@@ -131,6 +135,8 @@ class Config:
     def label(self) -> str:
         if self.module == "baseline":
             return f"baseline: NVIDIA module of {base_tag()}"
+        if self.module == "registry":
+            return "what ROCm runs (the registry's K3DSparkModel)"
         return f"{self.module.upper()} module, patched"
 
     @property
@@ -138,12 +144,21 @@ class Config:
         return Config("baseline", self.cache, self.mode)
 
 
-CONFIGS = [
-    Config(module, cache, mode)
-    for module in ("baseline", "nvidia", "amd")
-    for cache in CACHE_DTYPES
-    for mode in ("compiled", "eager")
-]
+def configs(*modules: str) -> list[Config]:
+    return [
+        Config(module, cache, mode)
+        for module in modules
+        for cache in CACHE_DTYPES
+        for mode in ("compiled", "eager")
+    ]
+
+
+CONFIGS = configs("baseline", "nvidia", "amd")
+# What each platform runs with a tree of the stack (any prefix), both counted
+# under the emulated ROCm platform: NVIDIA the NVIDIA module, ROCm what the
+# registry resolves there.
+PLATFORM_MODULES = {"NVIDIA": "nvidia", "ROCm": "registry"}
+TREE_CONFIGS = configs(*PLATFORM_MODULES.values())
 
 
 # --------------------------------------------------------------------------
@@ -252,7 +267,10 @@ def _build(module: str, cache: str, mode: str):
 
     # Custom-op dispatch reads a cached compilation config: the zygote's.
     get_cached_compilation_config.cache_clear()
-    cls = D.drafter_cls("amd" if module == "amd" else "nvidia")
+    if module == "registry":
+        cls = D.drafter_class()
+    else:
+        cls = D.drafter_cls("amd" if module == "amd" else "nvidia")
     dspark = _dspark_draft_kernels(cls)
     draft = D.build(
         rope=ROPE,
@@ -402,38 +420,65 @@ def measure_target() -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def pristine_zygote() -> Iterator[Zygote]:
-    """An emulated ROCm process importing the pristine release."""
+def pristine_zygote(rev: str | None = None) -> Iterator[Zygote]:
+    """An emulated ROCm process importing the pristine release, or the tree
+    of commit ``rev`` of build/vllm (a prefix of the stack)."""
     with tempfile.TemporaryDirectory(prefix="k3-pristine-vllm-") as tmp:
-        zygote = Zygote(ROCM, vllm_tree=str(extract_pristine_package(Path(tmp))))
+        package = extract_pristine_package(Path(tmp), rev)
+        zygote = Zygote(ROCM, vllm_tree=str(package))
         try:
             yield zygote
         finally:
             zygote.close()
 
 
-def measure_all(patched: Zygote, pristine: Zygote) -> dict[str, dict]:
-    """{config id: measurement} for every configuration; the two zygotes
-    work at the same time."""
+def _measure_configs(zygote: Zygote, configs: list[Config]) -> dict[str, dict]:
+    results = {}
+    for c in configs:
+        r = zygote.call(measure, module=c.module, cache=c.cache, mode=c.mode)
+        if zygote.vllm_tree and not r["setup"]["vllm"].startswith(zygote.vllm_tree):
+            raise RuntimeError(
+                f"{c.id} ran vLLM from {r['setup']['vllm']}, not from "
+                f"{zygote.vllm_tree}: an installed vLLM shadows PYTHONPATH"
+            )
+        results[c.id] = r
+    return results
 
-    def run(zygote: Zygote, configs: list[Config]) -> dict[str, dict]:
-        results = {}
-        for c in configs:
-            r = zygote.call(measure, module=c.module, cache=c.cache, mode=c.mode)
-            if zygote.vllm_tree and not r["setup"]["vllm"].startswith(zygote.vllm_tree):
-                raise RuntimeError(
-                    f"{c.id} ran vLLM from {r['setup']['vllm']}, not from "
-                    f"{zygote.vllm_tree}: an installed vLLM shadows PYTHONPATH"
-                )
-            results[c.id] = r
-        return results
 
-    baseline = [c for c in CONFIGS if c.module == "baseline"]
-    others = [c for c in CONFIGS if c.module != "baseline"]
+def measure_all(
+    patched: Zygote, pristine: Zygote, patched_configs: list[Config] | None = None
+) -> dict[str, dict]:
+    """{config id: measurement} of the baseline configurations (in
+    ``pristine``) and of ``patched_configs`` (the patched and AMD modules by
+    default; in ``patched``); the two zygotes work at the same time."""
+    baseline = configs("baseline")
+    if patched_configs is None:
+        patched_configs = [c for c in CONFIGS if c.module != "baseline"]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = [pool.submit(run, pristine, baseline), pool.submit(run, patched, others)]
-        results = {**jobs[0].result(), **jobs[1].result()}
-    return {c.id: results[c.id] for c in CONFIGS}
+        jobs = [
+            pool.submit(_measure_configs, pristine, baseline),
+            pool.submit(_measure_configs, patched, patched_configs),
+        ]
+        return {**jobs[0].result(), **jobs[1].result()}
+
+
+def above_the_release(results: dict[str, dict]) -> list[str]:
+    """One line per tree configuration (TREE_CONFIGS) whose draft layer or
+    step launches more kernels than 0.33.0's in the same cache and mode."""
+    lines = []
+    for c in TREE_CONFIGS:
+        tree, release = results[c.id]["counts"], results[c.baseline.id]["counts"]
+        for what, n, base in (
+            ("a further layer", launches(tree["layer"]), launches(release["layer"])),
+            (
+                f"a step ({NUM_LAYERS} layers)",
+                step_total(tree, NUM_LAYERS),
+                step_total(release, NUM_LAYERS),
+            ),
+        ):
+            if n > base:
+                lines.append(f"{c.id}: {what} launches {n}, {base_tag()} {base}")
+    return lines
 
 
 # --------------------------------------------------------------------------
@@ -593,6 +638,71 @@ def _render_amd_vs_baseline(results: dict[str, dict]) -> list[str]:
     return out + legend
 
 
+def stack_trees() -> list[tuple[str, str]]:
+    """(commit, title) of the release and of the tree after each patch of
+    build/vllm's stack, oldest first."""
+    log = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(pristine_git_dir()),
+            "log",
+            "--reverse",
+            "--format=%H %s",
+            f"{base_tag()}..HEAD",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    trees = [(base_tag(), base_tag())]
+    for k, line in enumerate(log.splitlines(), start=1):
+        commit, subject = line.split(" ", 1)
+        trees.append((commit, f"patch {k}: {subject}"))
+    return trees
+
+
+def measure_tree(rev: str) -> dict[str, dict]:
+    """TREE_CONFIGS measured in the tree of commit ``rev``."""
+    with pristine_zygote(rev) as zygote:
+        return _measure_configs(zygote, TREE_CONFIGS)
+
+
+def render_prefixes(trees: list[tuple[str, str]], results: list[dict]) -> str:
+    """A row per tree of the stack and platform: the launches of a further
+    draft layer / of a step, per KV cache and mode."""
+    modes = [(c.cache, c.mode) for c in configs("baseline")]
+    head = subprocess.run(
+        ["git", "-C", str(pristine_git_dir()), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    out = [
+        f"## Kernel budget of one K3 DSpark draft step, per prefix of the stack ({head})",
+        "",
+        "Launches of a further draft layer / of a "
+        f"{NUM_LAYERS}-layer step (tests/verification/kernel_budget.py says "
+        "what counts), counted on CPU under emulated ROCm (gfx942). NVIDIA: the "
+        "NVIDIA module; ROCm: what the registry gives ROCm. compiled = vLLM's "
+        "default config, eager = --enforce-eager.",
+        "",
+        "| tree | platform | " + " | ".join(f"{c} {m}" for c, m in modes) + " |",
+        "|" + " --- |" * (len(modes) + 2),
+    ]
+    for (commit, title), result in zip(trees, results):
+        for platform, module in PLATFORM_MODULES.items():
+            cells = []
+            for cache, mode in modes:
+                counts = result[Config(module, cache, mode).id]["counts"]
+                cells.append(
+                    f"{launches(counts['layer'])} / {step_total(counts, NUM_LAYERS)}"
+                )
+            name = f"{title} (`{commit[:7]}`)" if commit != base_tag() else title
+            out.append(f"| {name} | {platform} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def pins_literal(results: dict[str, dict]) -> str:
     lines = ["PINS = {"]
     for c in CONFIGS:
@@ -614,7 +724,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the PINS literal of tests/verification/test_kernel_budget.py",
     )
+    parser.add_argument(
+        "--prefixes",
+        action="store_true",
+        help="print the budget of the release and of every prefix of build/vllm's stack",
+    )
     args = parser.parse_args(argv)
+    if args.prefixes:
+        trees = stack_trees()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            results = list(pool.map(measure_tree, [commit for commit, _ in trees]))
+        print(render_prefixes(trees, results))
+        return 0
     patched = Zygote(ROCM)
     try:
         with pristine_zygote() as pristine:
