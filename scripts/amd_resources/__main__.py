@@ -1,7 +1,7 @@
 """`.venv/bin/python -m scripts.amd_resources`: the stack's Triton kernels compiled
 for MI300 (gfx942) and MI355 (gfx950) on CPU; see scripts/amd_resources/__init__.py.
 
-Exit status 1 when a kernel of the stack (patch 6's sampler, patch 7's block
+Exit status 1 when a kernel of the stack (patch 8's sampler, patch 5's block
 path) does not compile, needs more LDS than a CU has, or uses scratch.
 """
 

@@ -9,7 +9,7 @@ from scripts.amd_resources.resources import Resources
 # Paths whose kernels the stack adds or changes: the check holds them to the
 # GPU's limits. The flat path is 0.33.0's, shown for reference.
 CHECKED_PATHS = ("block", "sampler", "v1 sampler")
-PATH_NAMES = {"block": "block (patch 7)", "sampler": "sampler (patch 6)",
+PATH_NAMES = {"block": "block (patch 5)", "sampler": "sampler (patch 8)",
               "v1 sampler": "V1 sampler (patch 9)", "flat": "flat (0.33.0, ref.)"}
 # Constexprs that are the same at every production shape (512 + 64 latent).
 _FIXED_BLOCKS = {"BLOCK_DV", "BLOCK_DMODEL", "BLOCK_DPE"}

@@ -4,11 +4,11 @@ Each wrapper is the tree's own function, called with meta tensors (shapes,
 dtypes and storage sizes, no data) as vLLM's callers pass them on ROCm; what it
 launches is recorded (kernel_tree.record_launches), never run.
 
-- Patch 7, `decode_attention_fwd_mla_block` (stage 1 and its stage 2), and the
+- Patch 5, `decode_attention_fwd_mla_block` (stage 1 and its stage 2), and the
   flat path it replaces, `decode_attention_fwd(is_mla=True)` on the block
   flattened to one row per token (0.33.0's grouped kernel and stage 2: what
   ROCm runs today), called as `TritonMLAImpl.forward_mqa` calls them.
-- Patch 6, `rejection_sample`, as the GPU model runner's rejection sampler
+- Patch 8, `rejection_sample`, as the GPU model runner's rejection sampler
   calls it.
 - Patch 9, the V1 rejection sampler's `sample_recovered_tokens_kernel`, as its
   dispatcher launches it. That module needs all of vLLM, so the kernel (which

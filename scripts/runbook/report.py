@@ -310,7 +310,7 @@ def _best_tiles_lines(best: list[dict]) -> list[str]:
         return []
     lines = ["Tile sweep (`kernels/sweep.txt`, geometric mean over its shapes): if a best "
              "tile beats the shipped one by more than the noise, change "
-             "`_TILES_ROCM[<arch>]` in patch 7 (`triton_mla_block_decode.py`) and run `make test`.", "",
+             "`_TILES_ROCM[<arch>]` in patch 5 (`triton_mla_block_decode.py`) and run `make test`.", "",
              "| arch | KV | best tile | ms | shipped tile ms | shipped / best |",
              "| --- | --- | --- | ---: | ---: | ---: |"]
     lines += [f"| {t['arch']} | {t['kv']} | `{t['tile']}` | {t['ms']:.4f} | "

@@ -55,7 +55,10 @@ replaced (reference bodies in ``harness/ops.py``); everything else is vLLM's
 own code under the emulated platform (``harness/platform.py``).
 
 ``.venv/bin/python -m tests.verification.kernel_budget`` prints the table (markdown);
-``--print-pins`` prints the ``PINS`` literal of ``test_kernel_budget.py``.
+``--print-pins`` prints the ``PINS`` literal of ``test_kernel_budget.py``;
+``--prefixes`` prints what each platform's drafter launches with the release
+and with each prefix of build/vllm's stack (``test_kernel_budget_of_each_prefix.py``
+checks each prefix against the release in ``make test``'s prefix rows).
 """
 
 from __future__ import annotations
@@ -672,14 +675,8 @@ def render_prefixes(trees: list[tuple[str, str]], results: list[dict]) -> str:
     """A row per tree of the stack and platform: the launches of a further
     draft layer / of a step, per KV cache and mode."""
     modes = [(c.cache, c.mode) for c in configs("baseline")]
-    head = subprocess.run(
-        ["git", "-C", str(pristine_git_dir()), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
     out = [
-        f"## Kernel budget of one K3 DSpark draft step, per prefix of the stack ({head})",
+        "## Kernel budget of one K3 DSpark draft step, per prefix of the stack",
         "",
         "Launches of a further draft layer / of a "
         f"{NUM_LAYERS}-layer step (tests/verification/kernel_budget.py says "
@@ -690,7 +687,7 @@ def render_prefixes(trees: list[tuple[str, str]], results: list[dict]) -> str:
         "| tree | platform | " + " | ".join(f"{c} {m}" for c, m in modes) + " |",
         "|" + " --- |" * (len(modes) + 2),
     ]
-    for (commit, title), result in zip(trees, results):
+    for (_, title), result in zip(trees, results):
         for platform, module in PLATFORM_MODULES.items():
             cells = []
             for cache, mode in modes:
@@ -698,8 +695,7 @@ def render_prefixes(trees: list[tuple[str, str]], results: list[dict]) -> str:
                 cells.append(
                     f"{launches(counts['layer'])} / {step_total(counts, NUM_LAYERS)}"
                 )
-            name = f"{title} (`{commit[:7]}`)" if commit != base_tag() else title
-            out.append(f"| {name} | {platform} | " + " | ".join(cells) + " |")
+            out.append(f"| {title} | {platform} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

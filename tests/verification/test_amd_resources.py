@@ -1,7 +1,7 @@
 """The stack's Triton kernels, compiled for MI300 (gfx942) and MI355 (gfx950) on CPU.
 
 `python -m scripts.amd_resources` compiles, with Triton's AMD backend, every
-launch that patch 6's `rejection_sample`, patch 7's
+launch that patch 8's `rejection_sample`, patch 5's
 `decode_attention_fwd_mla_block` and patch 9's V1 recovery kernel make at the
 drafter's production shapes (the block path at 1, 3 and 16 requests), with
 the launch options and constexprs the wrappers pass on ROCm, and exits 1 when
@@ -28,7 +28,7 @@ from scripts.amd_resources.targets import arch_named, waves_by_registers, waves_
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("gfx942", "gfx950")
 STAGE1 = "_fwd_mla_block_kernel_stage1"
-# What the wrappers of patches 6, 7 and 9 launch (with draft logits and one-hot
+# What the wrappers of patches 5, 8 and 9 launch (with draft logits and one-hot
 # drafts, standard and block verification).
 STACK_KERNELS = {
     STAGE1, "_fwd_mla_block_kernel_stage2", "_mla_block_plan_kernel",

@@ -1,4 +1,4 @@
-"""Patch 7's block decode equals the flattened decode, in Triton's interpreter.
+"""Patch 5's block decode equals the flattened decode, in Triton's interpreter.
 
 ``decode_attention_fwd_mla_block`` (vllm/v1/attention/ops/triton_mla_block_decode.py)
 decodes a request's ``query_len`` draft tokens together. vLLM's own test

@@ -1,4 +1,4 @@
-"""Patch 6's rejection-sampler tests, with the kernels in Triton's interpreter.
+"""Patch 8's rejection-sampler tests, with the kernels in Triton's interpreter.
 
 vLLM's test file (tests/v1/spec_decode/test_rejection_sampler_nonfinite_draft.py
 in the patched tree) runs ``rejection_sample`` compiled on a GPU and skips
