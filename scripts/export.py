@@ -303,6 +303,42 @@ def _blobs(tree: Path, rev: str) -> Iterator[bytes]:
         position = header_end + 1 + size + 1
 
 
+# --- figures and the commit that measured them ------------------------------------
+
+# How a message or notes file names the project commit a figure was measured on.
+_MEASURED_AT = re.compile(r"\b(project commit) ([0-9a-f]{7,40})\b")
+
+
+def _code(patch_file: bytes) -> bytes:
+    """A patch file's diff: what its figures measured (its message can change freely)."""
+    start = patch_file.find(b"\ndiff --git ")
+    end = patch_file.rfind(b"\n-- \n")
+    return patch_file[start:end if end > start else None] if start >= 0 else b""
+
+
+def stale_commits(layout: Layout, patch: Patch, text: str) -> list[str]:
+    """The project commits `text` names as where its figures were measured, at
+    which this patch's diff was not what it is now (or cannot be read)."""
+    now = _code(patch.read())
+    stale = []
+    for sha in dict.fromkeys(m.group(2) for m in _MEASURED_AT.finditer(text)):
+        then = git(layout.root, "show", f"{sha}:{rel(patch.path, layout)}", check=False,
+                   text=False)
+        if then.returncode != 0 or _code(then.stdout) != now:
+            stale.append(sha)
+    return stale
+
+
+def mark_stale(text: str, stale: list[str]) -> str:
+    """Each mention of a stale measuring commit, flagged where the reader sees it."""
+    def flag(m: re.Match) -> str:
+        if m.group(2) not in stale:
+            return m.group(0)
+        return (f"{m.group(0)} (**stale**: this PR's code changed after that "
+                "measurement)")
+    return _MEASURED_AT.sub(flag, text)
+
+
 # --- PR.md and COVER.md ---------------------------------------------------------------
 
 
@@ -627,6 +663,12 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
             if missing:
                 problems.setdefault(missing, []).append(k)
             description, unfilled = pr_description(template, message, notes, validation)
+            if stale := stale_commits(layout, patch, description):
+                description = mark_stale(description, stale)
+                problems.setdefault(
+                    "figures measured on a project commit where this patch's code was "
+                    "different are marked stale in PR.md (measure again and cite the "
+                    "commit)", []).append(k)
             for heading in unfilled:
                 problems.setdefault(f"PR.md leaves the template's {heading!r} section "
                                     "for you to fill", []).append(k)

@@ -18,6 +18,7 @@ from tests.tooling.conftest import (
     NEW_MODEL,
     PYTHON,
     REPO,
+    SIGNOFF,
     SUBJECT_1,
     TEST_FOO_PATCHED,
     V1,
@@ -407,3 +408,33 @@ def test_a_commit_whose_author_is_not_utf8_is_named(series):
     assert "Traceback" not in result.stderr
     assert f"{STEMS[6]}.patch: the author or message of commit" in result.stderr
     assert "is not UTF-8 (in 'D\\udce9v <" in result.stderr
+
+
+def test_a_figure_measured_before_the_patch_changed_is_marked_stale(series):
+    """A figure names the project commit it was measured on. If the patch's diff
+    changed since (not only its message), PR.md says so next to it."""
+    _write_summary(series)
+    notes = series.patches / "notes" / f"{STEMS[6]}.md"
+    series.git("init", "-q", "-b", "main", cwd=series.root)
+    series.git("add", "-A", cwd=series.root)
+    series.git("commit", "-q", "-m", "measured", cwd=series.root)
+    measured = series.git("rev-parse", "--short", "HEAD", cwd=series.root)
+    notes.write_text(f"## Evidence\n\n3.1 ms a step, at project commit {measured}.\n")
+    series.git("commit", "-q", "--amend", "-m", "[Bugfix] Describe vLLM", "-m",
+               "Reworded: the code is still what was measured.", "-m", SIGNOFF)
+    series.ok("patches")
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    pr = (folder(series, 7) / "PR.md").read_text()
+    assert f"at project commit {measured}." in pr and "stale" not in pr
+    series.commit("[Bugfix] Describe vLLM better", {"vllm/__init__.py": (
+        '"""vLLM, described better."""\nfrom vllm._version import __version__\n')})
+    series.git("reset", "-q", "--soft", "HEAD~2")
+    series.git("commit", "-q", "-m", "[Bugfix] Describe vLLM", "-m", SIGNOFF)
+    series.ok("patches")
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    pr = (folder(series, 7) / "PR.md").read_text()
+    assert (f"at project commit {measured} (**stale**: this PR's code changed after that "
+            "measurement)." in pr)
+    assert "marked stale in PR.md" in result.stderr and "(patch 7)" in result.stderr
