@@ -84,15 +84,17 @@ def unexported_commits(layout: Layout, base: str) -> list[str]:
             if render_commit(layout, c) not in exported]
 
 
-def series_differs(layout: Layout, base: str) -> bool:
+def series_differs(layout: Layout, base: str, partial: bool) -> bool:
     """Whether the branch, every commit of it exported, is not patches/series in
-    order: patches reordered or dropped in build/vllm since the last export."""
+    order: patches reordered or dropped in build/vllm since the last export.
+    `partial`: an apply stopped half-way (failed, or killed) made the branch, so
+    the series' first patches, in order, are all it need hold."""
     commits = [render_commit(layout, c) for c in commits_since(layout.tree, base)]
     try:
         listed = [p.path.read_bytes() for p in read_series(layout)]
     except StackError:
         return True  # a series that cannot be read cannot show the branch is in it
-    return commits != listed
+    return commits != (listed[:len(commits)] if partial else listed)
 
 
 def recover_interrupted_apply(layout: Layout) -> None:
@@ -166,7 +168,8 @@ def guard_tree(layout: Layout, action: str) -> None:
             + f"\nRun `make patches` to export them, or keep them on a branch "
             f"(`git -C {where} branch saved-work`; `make clean` keeps it) and reset with "
             f"`git -C {where} reset --hard {base}`; then run {action} again.")
-    if base and not untouched and series_differs(layout, base):
+    partial = state.get("status") in ("failed", "applying")
+    if base and not untouched and series_differs(layout, base, partial):
         raise StackError(
             f"{where}'s commits are not patches/series in order (patches reordered or "
             f"dropped there): {action} would undo that. Run `make patches` to export "
