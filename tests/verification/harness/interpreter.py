@@ -125,7 +125,9 @@ def stand_in_libdevice_log1p() -> None:
 _SETUP_ERROR: str | None = None
 
 
-def _set_up_worker(workarounds: tuple[Callable[[], None], ...]) -> None:
+def _set_up_worker(
+    workarounds: tuple[Callable[[], None], ...], prepare: Callable[[], None] | None
+) -> None:
     # Not raised here, where it would only break the pool without a word.
     global _SETUP_ERROR
     try:
@@ -133,6 +135,8 @@ def _set_up_worker(workarounds: tuple[Callable[[], None], ...]) -> None:
         if imported:
             raise RuntimeError(f"{imported} imported before the interpreter was on")
         os.environ.update(INTERPRETER_ENV)
+        if prepare is not None:  # e.g. a platform emulation, before vLLM loads
+            prepare()
         from vllm.triton_utils import HAS_TRITON
 
         if not HAS_TRITON:
@@ -155,15 +159,22 @@ def _run_job(job: tuple[Callable[[Any], Any], Any]) -> tuple[str, Any]:
 
 
 class InterpreterPool:
-    """NUM_WORKERS spawned processes with Triton's interpreter on and the given
-    workarounds applied, serving ``map``; a context manager."""
+    """``workers`` (NUM_WORKERS) spawned processes with Triton's interpreter on
+    and the given workarounds applied, serving ``map``; a context manager.
+    ``prepare`` runs in each worker once the interpreter is on, before vLLM is
+    imported (the aiter harness emulates a ROCm platform there)."""
 
-    def __init__(self, *workarounds: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        *workarounds: Callable[[], None],
+        prepare: Callable[[], None] | None = None,
+        workers: int = NUM_WORKERS,
+    ) -> None:
         self._pool = ProcessPoolExecutor(
-            NUM_WORKERS,
+            workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_set_up_worker,
-            initargs=(workarounds,),
+            initargs=(workarounds, prepare),
         )
 
     def map(

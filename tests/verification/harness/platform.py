@@ -132,7 +132,10 @@ def _keep_model_inspection_emulated(mode: str) -> None:
     registry._run_in_subprocess = lambda fn: fn()
 
 
-def activate(mode: str) -> None:
+def activate(mode: str, *, aiter: bool = False) -> None:
+    """``aiter``: the AITER-on world (``harness/aiter.py``: aiter's Triton
+    kernels importable through a stand-in package, VLLM_ROCM_USE_AITER=1);
+    by default aiter is blocked from import, as if it were not installed."""
     global _ACTIVE
     if mode not in MODES:
         raise ValueError(f"unknown platform mode {mode!r}; expected one of {MODES}")
@@ -149,8 +152,16 @@ def activate(mode: str) -> None:
     assert "amdsmi" not in sys.modules and "aiter" not in sys.modules
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    # aiter is not installed; make sure nothing tries to turn it on.
-    os.environ["VLLM_ROCM_USE_AITER"] = "0"
+    from . import aiter as aiter_world
+
+    if aiter and mode.startswith("rocm"):
+        aiter_world.install_stand_in()
+        os.environ["VLLM_ROCM_USE_AITER"] = "1"
+    else:
+        # amd-aiter is installed (requirements/venv.lock) but its package
+        # cannot run here: vLLM must see it absent, and nothing may turn it on.
+        aiter_world.block()
+        os.environ["VLLM_ROCM_USE_AITER"] = "0"
 
     import torch
 
