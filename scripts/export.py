@@ -349,7 +349,7 @@ def pr_description(template: str, message: Message, notes: Message,
     Every section of the message and the notes lands somewhere (they are consumed)."""
     opening = [message.preamble] if message.preamble else []
     purpose = "\n\n".join(opening + [text for _, text in message.take("purpose")])
-    overview, _, background = purpose.partition("\n\n")
+    overview, background = _lead(purpose)
     claims = "\n\n".join(text for _, text in notes.take("claims"))
     if not claims:
         claims = f"- {_title(message.subject)}."
@@ -365,6 +365,16 @@ def pr_description(template: str, message: Message, notes: Message,
         "details": _collapsed(_notes_lead(notes.preamble), _join(details)),
     }
     return _fill(template, filled)
+
+
+def _lead(purpose: str) -> tuple[str, str]:
+    """The purpose's first paragraph (with what it introduces, when it ends on a
+    colon: a list is not cut from its lead-in), and the rest."""
+    paragraphs = purpose.split("\n\n")
+    n = 1
+    while n < len(paragraphs) and paragraphs[n - 1].rstrip().endswith(":"):
+        n += 1
+    return "\n\n".join(paragraphs[:n]), "\n\n".join(paragraphs[n:])
 
 
 def _notes_lead(preamble: str) -> str:

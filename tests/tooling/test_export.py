@@ -438,3 +438,20 @@ def test_a_figure_measured_before_the_patch_changed_is_marked_stale(series):
     assert (f"at project commit {measured} (**stale**: this PR's code changed after that "
             "measurement)." in pr)
     assert "marked stale in PR.md" in result.stderr and "(patch 7)" in result.stderr
+
+
+def test_an_overview_that_ends_on_a_colon_keeps_what_it_introduces(series):
+    """The overview is the purpose's first paragraph; one that ends on a colon
+    takes the list after it along, instead of leaving "Two paths stay open:"
+    alone above the claims."""
+    _write_summary(series)
+    series.git("commit", "-q", "--amend", "-m", "[Bugfix] Describe vLLM", "-m",
+               "## Purpose\n\nvLLM is undescribed. Two things go wrong:\n\n"
+               "* one;\n* two.\n\nThe rest is background.", "-m", SIGNOFF)
+    series.ok("patches")
+    assert export(series).returncode == 0
+    pr = (folder(series, 7) / "PR.md").read_text()
+    overview = pr.split("## Overview", 1)[1].split("## Claims", 1)[0]
+    assert "Two things go wrong:\n\n* one;\n* two." in overview
+    assert "The rest is background." not in overview
+    assert "The rest is background." in pr.split("## Details", 1)[1]
