@@ -85,3 +85,18 @@ def test_a_stack_of_one_patch_has_no_proper_prefix(project):
     layout = Layout(project.root)
     with PrefixTrees(layout) as prefixes:
         assert testrun._prefix_rows(layout, BASE, prefixes) == []
+
+
+def test_each_prefix_row_runs_the_kernel_budget_check_on_its_own_tree(runner):
+    """The project's per-prefix check (testrun.PREFIX_BUDGET) runs in every
+    prefix row, with that prefix's worktree first on PYTHONPATH."""
+    check = runner.root / testrun.PREFIX_BUDGET
+    check.parent.mkdir(parents=True, exist_ok=True)
+    check.write_text(
+        "import vllm\n\n\ndef test_imports_vllm_from_the_prefix():\n"
+        "    assert '/build/prefix-trees/' in vllm.__file__\n")
+    runner.commit("[ROCm] Test the new model", {"tests/test_new.py": TEST_NEW})
+    rows = _run_prefixes(runner)
+    assert [(r["passed"], r["failed"]) for r in rows.values()] == [(2, 0), (2, 0)]
+    assert [p["where"] for p in rows["prefix 2/3"]["parts"]] == [
+        "build/prefix-trees/2", "build/prefix-trees/2", "."]
