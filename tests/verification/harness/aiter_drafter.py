@@ -481,8 +481,12 @@ def draft_step(draft, counter=None) -> dict:
     from . import drafter as D
 
     cfg = draft.hf_config
-    states, positions = D.context_inputs(cfg, CONTEXT_TOKENS)
-    context_slots = D.distinct_slots(CONTEXT_TOKENS, 96, 3)
+    # The context at positions 0..9 in slots 0..9, the block after it: the
+    # attention reads exactly what the context-KV precompute and the block
+    # wrote (never the caches' sentinel fill).
+    states, _ = D.context_inputs(cfg, CONTEXT_TOKENS)
+    positions = torch.arange(CONTEXT_TOKENS)
+    context_slots = torch.arange(CONTEXT_TOKENS, dtype=torch.int64)
     seq_len = CONTEXT_TOKENS + BLOCK_TOKENS
     block_ids = torch.tensor([5, 17, 17, 17][:BLOCK_TOKENS])
     block_positions = torch.arange(CONTEXT_TOKENS, seq_len)
