@@ -69,10 +69,15 @@ class RemoteError(AssertionError):
 class Zygote:
     """Starts in the background; the first ``call`` waits until it is ready,
     so several zygotes start concurrently. ``vllm_tree``: a folder holding a
-    ``vllm`` package to import instead of the installed one."""
+    ``vllm`` package to import instead of the installed one. ``aiter``: the
+    AITER-on world in the FP8 BMM regime, Triton compiling and launching
+    nothing (``harness/aiter_drafter.py``)."""
 
-    def __init__(self, mode: str, vllm_tree: str | None = None) -> None:
+    def __init__(
+        self, mode: str, vllm_tree: str | None = None, *, aiter: bool = False
+    ) -> None:
         self.mode = mode
+        self.aiter = aiter
         self.vllm_tree = vllm_tree
         self.log = tempfile.NamedTemporaryFile(
             prefix=f"k3-zygote-{mode}-", suffix=".log", delete=False
@@ -84,7 +89,8 @@ class Zygote:
             + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.verification.harness.zygote", mode],
+            [sys.executable, "-m", "tests.verification.harness.zygote", mode]
+            + (["aiter"] if aiter else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -144,16 +150,27 @@ def _run_child(module: str, qualname: str, kwargs: dict, wfd: int) -> None:
         _send(wfd, ("err", f"unpicklable result: {result!r:.2000}"))
 
 
-def _serve(mode: str) -> None:
+def _serve(mode: str, aiter: bool = False) -> None:
     out = sys.stdout.buffer
     # Anything the stack prints goes to the log, not into the protocol stream.
     proto_fd = os.dup(1)
     os.dup2(2, 1)
     proto = os.fdopen(proto_fd, "wb")
     try:
-        from tests.verification.harness import platform
+        if aiter:
+            from tests.verification.harness import aiter_drafter
 
-        platform.activate(mode)
+            aiter_drafter.activate_regime(mode)
+            aiter_drafter.compile_nothing()
+            # Loading quantizes W_K/W_V (a parallel region here, in the warm-up):
+            # an OpenMP pool started before a fork hangs the child's next GEMM.
+            import torch
+
+            torch.set_num_threads(1)
+        else:
+            from tests.verification.harness import platform
+
+            platform.activate(mode)
         from tests.verification.harness import drafter
 
         drafter.warm_up()
@@ -193,4 +210,4 @@ def _serve(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], aiter=sys.argv[2:] == ["aiter"])
