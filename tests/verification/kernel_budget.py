@@ -93,6 +93,9 @@ CONTEXT_TOKENS = 10
 BLOCK_TOKENS = 4
 ROCM = "rocm-gfx942"
 
+# aiter's FP8 batched GEMM (vLLM's rocm_aiter_ops.triton_fp8_bmm), as counted.
+AITER_FP8_BMM = "triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel"
+
 # Why the AMD module launches more than the baseline, by cause ...
 EXTRA_CAUSES = {
     "rope": "the RoPE of q_pe and k_pe is one launch of vLLM's in-place rotary "
@@ -101,7 +104,9 @@ EXTRA_CAUSES = {
     "rms_norm: one _C kernel each); the baseline fuses both into one Triton "
     "kernel (fused_q_kv_rmsnorm). With VLLM_ROCM_USE_AITER=1, the usual ROCm "
     "setting, the ROCm wrapper runs both as one AITER kernel "
-    "(fused_mla_dual_rms_norm); this emulation has no aiter",
+    "(fused_mla_dual_rms_norm, aiter's _fused_qk_rmsnorm: the AITER rows)",
+    "aiter bmm": "with AITER FP8 BMM on, the two absorb BMMs (W_K, W_V) are aiter's "
+    "Triton FP8 batched GEMM instead of aten::bmm",
     "cache write": "the KV-cache write is a launch of its own (MLAAttention: "
     "concat_and_cache_mla); the baseline's fused decode epilogue writes the "
     "cache together with the query concat and both RoPEs",
@@ -116,6 +121,8 @@ ALLOWED_EXTRA: dict[str, tuple[str, ...]] = {
     "_C::rotary_embedding": ("rope",),
     "_C_cache_ops::concat_and_cache_mla": ("cache write",),
     "_C::rms_norm": ("q/kv norms", "vllm kernels"),
+    "aiter::_fused_qk_rmsnorm": ("q/kv norms",),
+    AITER_FP8_BMM: ("aiter bmm",),
     "_C::fused_add_rms_norm": ("vllm kernels",),
     "_C::silu_and_mul": ("vllm kernels",),
 }
@@ -123,9 +130,10 @@ ALLOWED_EXTRA: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Config:
-    # "baseline" (0.33.0's NVIDIA module), "nvidia", "amd", or "registry": the
-    # class vLLM's registry gives ``K3DSparkModel`` on ROCm, which is what ROCm
-    # users run with the tree (0.33.0: the NVIDIA module).
+    # "baseline" (0.33.0's NVIDIA module), "nvidia", "amd", "amd-aiter" (the
+    # AMD module in MI300's AITER FP8 BMM regime, harness/aiter_drafter.py), or
+    # "registry": the class vLLM's registry gives ``K3DSparkModel`` on ROCm,
+    # which is what ROCm users run with the tree (0.33.0: the NVIDIA module).
     module: str
     cache: str  # "bf16" or "fp8"
     mode: str  # "compiled" or "eager"
@@ -140,6 +148,8 @@ class Config:
             return f"baseline: NVIDIA module of {base_tag()}"
         if self.module == "registry":
             return "what ROCm runs (the registry's K3DSparkModel)"
+        if self.module == AITER_MODULE:
+            return "AMD module, patched, AITER FP8 BMM"
         return f"{self.module.upper()} module, patched"
 
     @property
@@ -156,7 +166,10 @@ def configs(*modules: str) -> list[Config]:
     ]
 
 
-CONFIGS = configs("baseline", "nvidia", "amd")
+# The AMD module with VLLM_ROCM_USE_AITER=1 and FP8 BMM (gfx942): measured in
+# an AITER-on zygote (aiter_zygote), where an aiter op counts as one launch.
+AITER_MODULE = "amd-aiter"
+CONFIGS = configs("baseline", "nvidia", "amd", AITER_MODULE)
 # What each platform runs with a tree of the stack (any prefix), both counted
 # under the emulated ROCm platform: NVIDIA the NVIDIA module, ROCm what the
 # registry resolves there.
@@ -273,7 +286,7 @@ def _build(module: str, cache: str, mode: str):
     if module == "registry":
         cls = D.drafter_class()
     else:
-        cls = D.drafter_cls("amd" if module == "amd" else "nvidia")
+        cls = D.drafter_cls("amd" if module.startswith("amd") else "nvidia")
     dspark = _dspark_draft_kernels(cls)
     draft = D.build(
         rope=ROPE,
@@ -423,6 +436,16 @@ def measure_target() -> dict[str, int]:
 
 
 @contextlib.contextmanager
+def aiter_zygote() -> Iterator[Zygote]:
+    """An emulated gfx942 process in the AITER FP8 BMM regime."""
+    zygote = Zygote(ROCM, aiter=True)
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
+@contextlib.contextmanager
 def pristine_zygote(rev: str | None = None) -> Iterator[Zygote]:
     """An emulated ROCm process importing the pristine release, or the tree
     of commit ``rev`` of build/vllm (a prefix of the stack)."""
@@ -449,20 +472,23 @@ def _measure_configs(zygote: Zygote, configs: list[Config]) -> dict[str, dict]:
 
 
 def measure_all(
-    patched: Zygote, pristine: Zygote, patched_configs: list[Config] | None = None
+    patched: Zygote,
+    pristine: Zygote,
+    patched_configs: list[Config] | None = None,
+    aiter: Zygote | None = None,
 ) -> dict[str, dict]:
     """{config id: measurement} of the baseline configurations (in
-    ``pristine``) and of ``patched_configs`` (the patched and AMD modules by
-    default; in ``patched``); the two zygotes work at the same time."""
-    baseline = configs("baseline")
+    ``pristine``), of ``patched_configs`` (the patched NVIDIA and AMD modules by
+    default; in ``patched``) and, given ``aiter``, of the AITER configurations
+    (in it); the zygotes work at the same time."""
     if patched_configs is None:
-        patched_configs = [c for c in CONFIGS if c.module != "baseline"]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = [
-            pool.submit(_measure_configs, pristine, baseline),
-            pool.submit(_measure_configs, patched, patched_configs),
-        ]
-        return {**jobs[0].result(), **jobs[1].result()}
+        patched_configs = configs("nvidia", "amd")
+    work = [(pristine, configs("baseline")), (patched, patched_configs)]
+    if aiter is not None:
+        work.append((aiter, configs(AITER_MODULE)))
+    with ThreadPoolExecutor(max_workers=len(work)) as pool:
+        jobs = [pool.submit(_measure_configs, z, c) for z, c in work]
+        return {k: v for job in jobs for k, v in job.result().items()}
 
 
 def above_the_release(results: dict[str, dict]) -> list[str]:
@@ -541,7 +567,7 @@ def amd_extras(counts_by_id: dict[str, dict]) -> dict[str, dict[str, int]]:
     than the baseline."""
     extras = {}
     for config in CONFIGS:
-        if config.module != "amd":
+        if not config.module.startswith("amd"):
             continue
         for phase in PHASES:
             d = delta(
@@ -615,14 +641,14 @@ def _render_amd_vs_baseline(results: dict[str, dict]) -> list[str]:
         "Ops the AMD module launches more (+) or less (-) often than the "
         "baseline, per phase; every extra needs a cause (ALLOWED_EXTRA).",
         "",
-        "| KV cache | mode | phase | op | baseline | AMD | Δ | cause | where |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| AMD | KV cache | mode | phase | op | baseline | AMD | Δ | cause | where |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     legend = ["", "Causes:", ""] + [
         f"* **{cause}**: {reason}." for cause, reason in EXTRA_CAUSES.items()
     ]
     for amd in CONFIGS:
-        if amd.module != "amd":
+        if not amd.module.startswith("amd"):
             continue
         for phase in PHASES:
             b = results[amd.baseline.id]["counts"][phase]
@@ -633,8 +659,9 @@ def _render_amd_vs_baseline(results: dict[str, dict]) -> list[str]:
                 reason = ""
                 if n > 0:
                     reason = ", ".join(ALLOWED_EXTRA.get(op, ("**none given**",)))
+                aiter = "AITER" if amd.module == AITER_MODULE else "-"
                 out.append(
-                    f"| {amd.cache} | {amd.mode} | {PHASE_TITLES[phase]} | {op} | "
+                    f"| {aiter} | {amd.cache} | {amd.mode} | {PHASE_TITLES[phase]} | {op} | "
                     f"{b.get(op, 0)} | {a.get(op, 0)} | {n:+d} | {reason} | "
                     f"{_sites_cell(sites)} |"
                 )
@@ -734,8 +761,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     patched = Zygote(ROCM)
     try:
-        with pristine_zygote() as pristine:
-            results = measure_all(patched, pristine)
+        with pristine_zygote() as pristine, aiter_zygote() as aiter:
+            results = measure_all(patched, pristine, aiter=aiter)
     except FileNotFoundError as exc:  # no pristine release to compare with
         print(f"kernel budget: {exc}", file=sys.stderr)
         return 1

@@ -97,6 +97,30 @@ PINS = {
         "layer": "_C::fused_add_rms_norm=2 _C::rms_norm=2 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aten::bmm=2 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1",
         "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
     },
+    "amd-aiter/bf16/compiled": {
+        "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
+        "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2",
+        "layer": "_C::fused_add_rms_norm=2 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2",
+        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+    },
+    "amd-aiter/bf16/eager": {
+        "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
+        "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2",
+        "layer": "_C::fused_add_rms_norm=2 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2",
+        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+    },
+    "amd-aiter/fp8/compiled": {
+        "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
+        "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2",
+        "layer": "_C::fused_add_rms_norm=2 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2",
+        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+    },
+    "amd-aiter/fp8/eager": {
+        "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
+        "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2",
+        "layer": "_C::fused_add_rms_norm=2 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2",
+        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+    },
 }
 
 # --------------------------------------------------------------------------
@@ -192,8 +216,8 @@ def test_opaque_launch_is_one_launch_whatever_runs_inside():
 @pytest.fixture(scope="module")
 def budget(rocm) -> dict[str, dict[str, dict[str, int]]]:
     """{config id: {phase: {op: count}}} for every configuration."""
-    with kb.pristine_zygote() as pristine:
-        results = kb.measure_all(rocm, pristine)
+    with kb.pristine_zygote() as pristine, kb.aiter_zygote() as aiter:
+        results = kb.measure_all(rocm, pristine, aiter=aiter)
     return {config_id: r["counts"] for config_id, r in results.items()}
 
 
@@ -269,7 +293,7 @@ def _layer(budget, config_id: str) -> int:
     return kb.launches(budget[config_id]["layer"])
 
 
-@pytest.mark.parametrize("module", ["nvidia", "amd"])
+@pytest.mark.parametrize("module", ["nvidia", "amd", kb.AITER_MODULE])
 @pytest.mark.parametrize("cache", list(kb.CACHE_DTYPES))
 def test_draft_launches_the_eager_kernels_in_the_default_config(budget, module, cache):
     """0.33.0 builds and runs the draft under the target's compiled config:
@@ -283,12 +307,26 @@ def test_draft_launches_the_eager_kernels_in_the_default_config(budget, module, 
     assert kb.launches(baseline[0]["layer"]) > kb.launches(baseline[1]["layer"])
 
 
+@pytest.mark.parametrize("module", ["amd", kb.AITER_MODULE])
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 @pytest.mark.parametrize("cache", list(kb.CACHE_DTYPES))
-def test_amd_layer_launches_no_more_than_the_baseline(budget, mode, cache):
-    amd, baseline = (_layer(budget, f"{m}/{cache}/{mode}") for m in ("amd", "baseline"))
+def test_amd_layer_launches_no_more_than_the_baseline(budget, module, mode, cache):
+    amd, baseline = (
+        _layer(budget, f"{m}/{cache}/{mode}") for m in (module, "baseline")
+    )
     assert amd <= baseline
     assert _layer(budget, f"nvidia/bf16/{mode}") <= 15
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+@pytest.mark.parametrize("cache", list(kb.CACHE_DTYPES))
+def test_aiter_absorbs_on_its_fp8_bmm_not_aten_bmm(budget, mode, cache):
+    """With AITER FP8 BMM on, both absorb BMMs of a layer are aiter's Triton
+    kernel; the layer launches one fewer kernel than with AITER off (the q/kv
+    norms are one aiter launch)."""
+    layer = budget[f"{kb.AITER_MODULE}/{cache}/{mode}"]["layer"]
+    assert layer.get(kb.AITER_FP8_BMM, 0) == 2 and "aten::bmm" not in layer
+    assert kb.launches(layer) == _layer(budget, f"amd/{cache}/{mode}") - 1
 
 
 def body_measure_without_draft_kernels():
