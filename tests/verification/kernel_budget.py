@@ -9,6 +9,10 @@ counting rules), for:
   ``nvidia.dspark_mla`` on every platform). It runs in a zygote that imports
   the whole pristine release, extracted from git (``tests.support.pristine``);
 * ``nvidia`` and ``amd``: the patched NVIDIA and AMD modules on ROCm;
+* ``amd-aiter``: the AMD module in MI300's AITER FP8 BMM regime
+  (``VLLM_ROCM_USE_AITER=1`` with FP8 BMM, ``harness/aiter_drafter.py``), in an
+  AITER-on zygote: aiter's Triton kernels count as ``triton::`` launches, its
+  HIP op ``_fused_qk_rmsnorm`` (a checked double here) as one ``aiter::`` launch;
 
 each with a bf16 (``auto``) and an fp8 KV cache, and under both of vLLM's
 execution modes: ``compiled`` is vLLM's default config (torch.compile with
