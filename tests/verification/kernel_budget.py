@@ -78,7 +78,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from tests.support.pristine import base_tag, extract_pristine_package, pristine_git_dir
 from tests.verification.harness.zygote import Zygote
@@ -242,26 +241,6 @@ def _install_stand_ins() -> None:
     CustomOp.maybe_compile = counted_compile
 
 
-def _decode_metadata(num_tokens: int, seq_len: int):
-    """What a decode-only draft block's MLA metadata carries (one request)."""
-    import torch
-
-    return SimpleNamespace(
-        num_actual_tokens=num_tokens,
-        num_decode_tokens=num_tokens,
-        num_decodes=1,
-        num_prefills=0,
-        num_prefill_tokens=0,
-        max_seq_len=seq_len,
-        causal=False,
-        prefill=None,
-        decode=SimpleNamespace(
-            block_table=torch.arange(6, dtype=torch.int32).view(1, 6),
-            seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-        ),
-    )
-
-
 def _dspark_draft_kernels(cls):
     """The tree's dspark.utils if it gives the drafter `cls` the draft's
     kernels (the stack's patch, for an uncompiled drafter), else None
@@ -365,7 +344,7 @@ def measure(module: str, cache: str, mode: str) -> dict:
         D.config_context(config),
         priority,
         set_forward_context(
-            {name: _decode_metadata(BLOCK_TOKENS, seq_len) for name in names},
+            {name: D.decode_metadata(BLOCK_TOKENS, seq_len) for name in names},
             config,
             slot_mapping={name: block_slots for name in names},
         ),

@@ -42,7 +42,6 @@ import contextlib
 import os
 from collections import Counter
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import torch
 
@@ -424,23 +423,6 @@ BLOCK_TOKENS = 4
 NUM_LAYERS = 2
 
 
-def _decode_metadata(num_tokens: int, seq_len: int):
-    return SimpleNamespace(
-        num_actual_tokens=num_tokens,
-        num_decode_tokens=num_tokens,
-        num_decodes=1,
-        num_prefills=0,
-        num_prefill_tokens=0,
-        max_seq_len=seq_len,
-        causal=False,
-        prefill=None,
-        decode=SimpleNamespace(
-            block_table=torch.arange(6, dtype=torch.int32).view(1, 6),
-            seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-        ),
-    )
-
-
 def build_draft(cache: str = "auto", *, interpreted: bool):
     """The registry's drafter on the synthetic checkpoint, with the target's
     embedding and LM head as the runner aliases them."""
@@ -501,7 +483,7 @@ def draft_step(draft, counter=None) -> dict:
     with (
         D.config_context(draft.vllm_config),
         set_forward_context(
-            {name: _decode_metadata(BLOCK_TOKENS, seq_len) for name in names},
+            {name: D.decode_metadata(BLOCK_TOKENS, seq_len) for name in names},
             draft.vllm_config,
             slot_mapping={name: block_slots for name in names},
         ),

@@ -484,6 +484,24 @@ def drafter_cls(which: str):
     return module.K3DSparkForCausalLM
 
 
+def decode_metadata(num_tokens: int, seq_len: int) -> SimpleNamespace:
+    """What a decode-only draft block's MLA metadata carries (one request)."""
+    return SimpleNamespace(
+        num_actual_tokens=num_tokens,
+        num_decode_tokens=num_tokens,
+        num_decodes=1,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        max_seq_len=seq_len,
+        causal=False,
+        prefill=None,
+        decode=SimpleNamespace(
+            block_table=torch.arange(6, dtype=torch.int32).view(1, 6),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        ),
+    )
+
+
 def context_inputs(cfg, num_tokens: int = 10, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     states = torch.randn(num_tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
