@@ -93,8 +93,7 @@ CASES = [
     Case("bf16-64-rows-page1", LARGE_SMEM, 8, 8, (70, 0), 1, BF16),
     # A 128-token KV tile over pages of 64: the gathering path.
     Case("e4m3fn-64-rows", LARGE_SMEM, 4, 16, (129, 1), 64, E4M3FN),
-    # 96 rows: three 32-row tiles for bf16 (two programs an SM), two 64-row
-    # tiles for fp8.
+    # 96 rows: two 64-row tiles, the second part-filled.
     Case("bf16-96-rows", LARGE_SMEM, 6, 16, (90, 0), 64, BF16),
     Case("e4m3fn-96-rows", LARGE_SMEM, 3, 32, (150,), 16, E4M3FN),
     Case("bf16-64-heads", LARGE_SMEM, 2, 64, (40,), 64, BF16),
@@ -107,8 +106,8 @@ CASES = [
     # The query as two tensors.
     Case("bf16-q-parts", LARGE_SMEM, 4, 8, (300, 70, 0), 16, BF16, q_parts=True),
     Case("e4m3fnuz-q-parts", ROCM, 3, 16, (129, 16), 64, E4M3FNUZ, q_parts=True),
-    # Split sizing. One request alone on 8 slots: 7 splits of 86 tokens,
-    # 5 of whole 64-token tiles.
+    # Split sizing. One request alone on 8 slots: 5 splits of the 128-token
+    # minimum.
     Case(
         "many-splits", LARGE_SMEM, 2, 16, (600,), 16, BF16, num_sms=4,
         min_most_splits=5,
@@ -118,14 +117,16 @@ CASES = [
         "scratch-caps-splits", LARGE_SMEM, 2, 16, (600,), 16, BF16, num_sms=4,
         max_kv_splits=4, capped=True,
     ),
-    # 7 requests with KV on 2 slots: 7 waves, ragged splits, padding between.
+    # 7 requests with KV on 2 slots: several waves, ragged splits (up to 4 of
+    # the longest), padding between.
     Case(
-        "several-waves", ROCM, 2, 8, (150, 0, 33, 400, 7, 90, 260, 1), 16, E4M3FNUZ,
+        "several-waves", ROCM, 2, 8, (1500, 0, 33, 4000, 7, 900, 2600, 1), 16,
+        E4M3FNUZ,
         num_sms=2, min_most_splits=3, several_waves=True, req_chunk=2,
     ),
     # Busy programs first over requests of several splits each.
     Case(
-        "ragged-multi-split", SMALL_SMEM, 2, 8, (300, 0, 17, 250, 0, 64), 16,
+        "ragged-multi-split", SMALL_SMEM, 2, 8, (3000, 0, 17, 1250, 0, 64), 16,
         E4M3FN, num_sms=4, min_most_splits=2, req_chunk=4,
     ),
     # Scratch planned for max_model_len, as captured, replayed over a short

@@ -62,7 +62,7 @@ CASES = [
     Case("bf16-page1", 7, 8, (5, 300, 0), 1, "bf16"),
     Case("bf16-64-heads", 2, 64, (400, 3), 64, "bf16"),
     Case("fp8-64-heads", 7, 64, (2500, 80), 16, "fp8"),
-    # 96-row blocks, which may take three 32-row tiles.
+    # 96-row blocks: a full row tile and a part-filled one.
     Case("bf16-16-heads-x6", 6, 16, (900, 17, 0), 16, "bf16"),
     Case("fp8-32-heads-x3", 3, 32, (1500, 600), 64, "fp8"),
     Case("bf16-narrow-latent", 8, 8, (90, 7), 64, "bf16", kv_lora_rank=64, rope_dim=16),

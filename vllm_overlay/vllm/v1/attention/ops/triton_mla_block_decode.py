@@ -11,10 +11,11 @@ Speculative drafters decode under CUDA graphs captured with max_seq_len =
 max_model_len and a padded batch, so whatever the host derived from the
 lengths would be wrong at every replay. The host sizes only the grids (from
 the batch size and the GPU) and the scratch (the most splits one request may
-take); both kernels share the batch's real KV out over the programs on the
-device (_mla_block_plan_kernel), busy programs first, so that short, long
-and ragged batches all keep the GPU full, and the merge reads only the splits
-a row has.
+take). On the device, a one-program kernel (_mla_block_plan_kernel) shares
+the batch's real KV out into splits from the lengths; stage 1 runs one
+program per slot of the GPU, each looping over its share of the splits, so
+that short, long and ragged batches all keep the GPU full; the merge reads
+only the splits a row has.
 """
 
 from dataclasses import dataclass, replace
@@ -82,9 +83,14 @@ _TILES_ROCM = {
     },
 }
 
-# A split reads at least this many KV tokens: loading its query tile and
-# writing its partial output cost about as much as reading that much KV.
+# A split reads at least this many KV tokens, and costs about as much as
+# reading _SPLIT_OVERHEAD_TOKENS more (loading its query tile, writing and
+# merging its partial output).
 _MIN_SPLIT_TOKENS = 128
+_SPLIT_OVERHEAD_TOKENS = 256
+# The split plan weighs this many candidates (a power of 2): waves of programs
+# from those that hold every request's row tiles unsplit, each twice the last.
+_NUM_PLANS = 4
 # Requests the split plan reads at once; a loop covers larger batches, so the
 # kernels compile once whatever the batch size.
 _REQ_CHUNK = 1024
@@ -121,13 +127,9 @@ def _mla_block_tile(
         device.type == "cuda"
         and get_max_shared_memory_bytes(device.index or 0) >= _LARGE_SMEM_BYTES
     ):
+        # 96 rows (16 heads x 6, 32 x 3) take two 64-row tiles: measured on
+        # an H200, 7-11% faster than three 32-row ones two to an SM.
         tile = _TILES_LARGE_SMEM[(max(32, rows_per_tile), fp8)]
-        small = _TILES_LARGE_SMEM[(32, fp8)]
-        # 96 rows (16 heads x 6, 32 x 3) fill three 32-row tiles but leave a
-        # quarter of two 64-row tiles empty: take the 32-row tile where two
-        # of its programs share an SM.
-        if rows % 64 and rows % 32 == 0 and small.programs_per_sm > 1:
-            tile = small
     else:
         tile = _TILE_SMALL_SMEM
     return replace(tile, block_m=min(tile.block_m, rows_per_tile))
@@ -164,16 +166,16 @@ def _mla_block_plan_kernel(
     slots,
     NUM_KV_SPLITS: tl.constexpr,
     MIN_SPLIT_TOKENS: tl.constexpr,
+    SPLIT_OVERHEAD_TOKENS: tl.constexpr,
+    NUM_PLANS: tl.constexpr,
     REQ_CHUNK: tl.constexpr,
 ):
     """One program: the KV splits of every request, as their running total
-    (Split_Ends[r] = splits of requests 0..r), for both kernels. The KV is
-    shared out for as many waves of `slots` programs as hold twice the
-    requests' unsplit row tiles (one wave for a few requests), at least
-    MIN_SPLIT_TOKENS a split, at most NUM_KV_SPLITS splits a request.
-    Rounding each request up adds at most one program per request and row
-    tile to the even share, so the busy programs number less than
-    2 x (row tiles) + slots, which the stage-1 grid holds."""
+    (Split_Ends[r] = splits of requests 0..r), for both kernels. The batch's
+    KV is shared out evenly (at least MIN_SPLIT_TOKENS a split, at most
+    NUM_KV_SPLITS splits a request) for the candidate number of waves of
+    `slots` programs with the shortest estimated time: more waves even out
+    ragged lengths and the last wave, fewer spare each split's fixed cost."""
     busy = tl.full([], 0, tl.int64)
     tokens = tl.full([], 0, tl.int64)
     for start in range(0, num_reqs, REQ_CHUNK):
@@ -182,11 +184,30 @@ def _mla_block_plan_kernel(
         busy += tl.sum((lens > 0).to(tl.int64), 0)
         tokens += tl.sum(lens.to(tl.int64), 0)
     tiles = busy * row_tiles
-    waves = tl.maximum(tl.cdiv(2 * tiles, slots), 1)
-    # The share leaves room for the one extra program per row tile.
-    share = tl.maximum(
-        tl.cdiv(tokens * row_tiles, waves * slots - tiles), MIN_SPLIT_TOKENS
-    )
+    # The candidates: from as many waves as hold the unsplit row tiles, each
+    # twice the last. Rounding each request's splits up adds at most one
+    # program per row tile to an even share, so the busy programs stay
+    # within waves x slots.
+    waves = tl.maximum(tl.cdiv(tiles, slots), 1) << tl.arange(0, NUM_PLANS)
+    even = tl.cdiv(tokens * row_tiles, tl.maximum(waves * slots - tiles, 1))
+    even = tl.minimum(tl.maximum(even, MIN_SPLIT_TOKENS), 1 << 30).to(tl.int32)
+    # Each one's estimated time: its rounds of `slots` programs, each as long
+    # as its longest split plus SPLIT_OVERHEAD_TOKENS (exact for a uniform
+    # batch; a ragged one finishes sooner).
+    num_splits = tl.zeros([NUM_PLANS], dtype=tl.int64)
+    longest = tl.zeros([NUM_PLANS], dtype=tl.int32)
+    for start in range(0, num_reqs, REQ_CHUNK):
+        offs_r = start + tl.arange(0, REQ_CHUNK)
+        lens = tl.load(Seq_Lens + offs_r, mask=offs_r < num_reqs, other=0)[None, :]
+        splits = tl.minimum(tl.cdiv(lens, even[:, None]), NUM_KV_SPLITS)
+        num_splits += tl.sum(splits.to(tl.int64), 1)
+        split_len = tl.cdiv(lens, tl.maximum(splits, 1))
+        longest = tl.maximum(longest, tl.max(split_len, 1))
+    rounds = tl.cdiv(num_splits * row_tiles, slots)
+    cost = rounds * (longest + SPLIT_OVERHEAD_TOKENS)
+    # The fewest waves among the fastest.
+    best = tl.argmin(cost, 0)
+    share = tl.sum(tl.where(tl.arange(0, NUM_PLANS) == best, even, 0), 0)
     total = tl.full([], 0, tl.int32)
     for start in range(0, num_reqs, REQ_CHUNK):
         offs_r = start + tl.arange(0, REQ_CHUNK)
@@ -246,129 +267,135 @@ def _fwd_mla_block_kernel_stage1(
     Lv: tl.constexpr,
     RELOAD_FP8_V: tl.constexpr,
 ):
-    # Program (row_tile, item) takes split `item` of the launch's splits,
-    # counted over the requests in order: the busy programs come first and
-    # the rest of the grid (sized on the host, e.g. at graph capture) returns.
-    # Its request is the first whose running total passes `item`.
-    row_tile = tl.program_id(0)
-    item = tl.program_id(1)
-    lo = num_reqs * 0
-    hi = num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        past = tl.load(Split_Ends + mid) > item
-        hi = tl.where(past, mid, hi)
-        lo = tl.where(past, lo, mid + 1)
-    req = tl.minimum(lo, num_reqs - 1)
-    first, num_splits = _mla_block_req_splits(Split_Ends, req)
-    split_kv_id = item - first
-    seq_len = tl.load(Seq_Lens + req)
-    split_len = _mla_block_split_len(seq_len, num_splits, BLOCK_N)
-    split_kv_start = split_len * split_kv_id
-    split_kv_end = tl.minimum(split_kv_start + split_len, seq_len)
+    # The programs fill the GPU once and take the launch's work in turn:
+    # item `work // row_tiles` of the splits, counted over the requests in
+    # order, for row tile `work % row_tiles` (the row tiles of a split run
+    # side by side and share its KV in L2). The grid is sized on the host
+    # (e.g. at graph capture); how much work there is, the plan decided.
+    row_tiles = tl.cdiv(query_len * NUM_HEADS, BLOCK_M)
+    total = tl.load(Split_Ends + num_reqs - 1, mask=num_reqs > 0, other=0) * row_tiles
+    for work in range(tl.program_id(0), total, tl.num_programs(0)):
+        row_tile = work % row_tiles
+        item = work // row_tiles
+        # The request is the first whose running total passes `item`.
+        lo = num_reqs * 0  # a tensor, even where num_reqs is the constant 1
+        hi = num_reqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            past = tl.load(Split_Ends + mid) > item
+            hi = tl.where(past, mid, hi)
+            lo = tl.where(past, lo, mid + 1)
+        req = lo
+        first, num_splits = _mla_block_req_splits(Split_Ends, req)
+        split_kv_id = item - first
+        seq_len = tl.load(Seq_Lens + req)
+        split_len = _mla_block_split_len(seq_len, num_splits, BLOCK_N)
+        split_kv_start = split_len * split_kv_id
+        split_kv_end = tl.minimum(split_kv_start + split_len, seq_len)
 
-    if lo < num_reqs and split_kv_end > split_kv_start:
-        # Row m of the request is draft token m // NUM_HEADS, head m % NUM_HEADS.
-        offs_m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < query_len * NUM_HEADS
-        token = req * query_len + offs_m // NUM_HEADS
-        head = offs_m % NUM_HEADS
-        offs_q = token * stride_q_token + head * stride_q_head
-        offs_dv = tl.arange(0, BLOCK_DV)
-        mask_dv = offs_dv < Lv
-        q = tl.load(
-            Q + offs_q[:, None] + offs_dv[None, :],
-            mask=mask_m[:, None] & mask_dv[None, :],
-            other=0.0,
-        )
-        if BLOCK_DPE > 0:
-            offs_dpe = Lv + tl.arange(0, BLOCK_DPE)
-            mask_dpe = offs_dpe < Lk
-            offs_qpe = token * stride_qpe_token + head * stride_qpe_head
-            q_pe = tl.load(
-                Q_PE + offs_qpe[:, None] + (offs_dpe - Lv)[None, :],
-                mask=mask_m[:, None] & mask_dpe[None, :],
+        if split_kv_end > split_kv_start:
+            # Row m of the request is draft token m // NUM_HEADS, head m % NUM_HEADS.
+            offs_m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < query_len * NUM_HEADS
+            token = req * query_len + offs_m // NUM_HEADS
+            head = offs_m % NUM_HEADS
+            offs_q = token * stride_q_token + head * stride_q_head
+            offs_dv = tl.arange(0, BLOCK_DV)
+            mask_dv = offs_dv < Lv
+            q = tl.load(
+                Q + offs_q[:, None] + offs_dv[None, :],
+                mask=mask_m[:, None] & mask_dv[None, :],
                 other=0.0,
             )
-
-        # An fp8 cache is multiplied by its scale after the dots rather than
-        # before: the latent is both K and V, read once in the query's dtype.
-        # Like the grouped kernel, a 16-bit cache ignores the scale.
-        KV_FP8: tl.constexpr = KV_Buffer.dtype.element_ty.is_fp8()
-        scale = 1.0
-        if KV_FP8:
-            scale = tl.load(kv_scale)
-        qk_scale = sm_scale_log2 * scale
-        e_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-        e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        block_table = Block_Table + req * stride_block_table
-        # When pages hold whole KV tiles, tiles start on a multiple of BLOCK_N
-        # (the first one masked below the split) and each reads one page.
-        TILES_IN_PAGES: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-        loop_start = split_kv_start
-        if TILES_IN_PAGES:
-            loop_start = split_kv_start // BLOCK_N * BLOCK_N
-        for start_n in tl.range(loop_start, split_kv_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            mask_n = (offs_n >= split_kv_start) & (offs_n < split_kv_end)
-            if TILES_IN_PAGES:
-                page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
-                offs_kv = (
-                    page * stride_kv_page
-                    + (start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)) * stride_kv_token
-                )
-            else:
-                pages = tl.load(
-                    block_table + offs_n // PAGE_SIZE, mask=mask_n, other=0
-                ).to(tl.int64)  # page number * page stride overflows int32
-                offs_kv = (
-                    pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
-                )
-            kv_ptrs = KV_Buffer + offs_kv[:, None] + offs_dv[None, :]
-            mask_kv = mask_n[:, None] & mask_dv[None, :]
-            kv = tl.load(kv_ptrs, mask=mask_kv, other=0.0).to(q.dtype)
-            qk = tl.dot(q, tl.trans(kv))
             if BLOCK_DPE > 0:
-                k_pe = tl.load(
-                    KV_Buffer + offs_kv[:, None] + offs_dpe[None, :],
-                    mask=mask_n[:, None] & mask_dpe[None, :],
+                offs_dpe = Lv + tl.arange(0, BLOCK_DPE)
+                mask_dpe = offs_dpe < Lk
+                offs_qpe = token * stride_qpe_token + head * stride_qpe_head
+                q_pe = tl.load(
+                    Q_PE + offs_qpe[:, None] + (offs_dpe - Lv)[None, :],
+                    mask=mask_m[:, None] & mask_dpe[None, :],
                     other=0.0,
-                ).to(q.dtype)
-                qk = tl.dot(q_pe, tl.trans(k_pe), qk)
-            qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
-
-            n_e_max = tl.maximum(tl.max(qk, 1), e_max)
-            re_scale = tl.exp2(e_max - n_e_max)
-            p = tl.exp2(qk - n_e_max[:, None])
-            e_sum = e_sum * re_scale + tl.sum(p, 1)
-            if KV_FP8 and RELOAD_FP8_V:
-                # Loaded again for PV, from L1/L2: Triton copies a load with one
-                # use asynchronously (pipelined); a converted tile with two uses
-                # is loaded synchronously every iteration. Costlier than the
-                # stall for 64-row tiles, which have no registers to spare.
-                kv = tl.load(kv_ptrs, mask=mask_kv, other=0.0, cache_modifier=".ca").to(
-                    q.dtype
                 )
-            acc = tl.dot(p.to(q.dtype), kv, acc * re_scale[:, None])
-            e_max = n_e_max
 
-        offs_mid = (
-            req.to(tl.int64) * stride_mid_req
-            + offs_m * stride_mid_row
-            + split_kv_id * stride_mid_split
-        )
-        tl.store(
-            Att_Out + offs_mid[:, None] + offs_dv[None, :],
-            acc * (scale / e_sum[:, None]),
-            mask=mask_m[:, None] & mask_dv[None, :],
-        )
-        # The LSE in natural-log units, as stage 2 and the callers expect.
-        tl.store(
-            Att_Out + offs_mid + Lv,
-            (e_max + tl.log2(e_sum)) * 0.6931471805599453,
-            mask=mask_m,
-        )
+            # An fp8 cache is multiplied by its scale after the dots rather than
+            # before: the latent is both K and V, read once in the query's dtype.
+            # Like the grouped kernel, a 16-bit cache ignores the scale.
+            KV_FP8: tl.constexpr = KV_Buffer.dtype.element_ty.is_fp8()
+            scale = 1.0
+            if KV_FP8:
+                scale = tl.load(kv_scale)
+            qk_scale = sm_scale_log2 * scale
+            e_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+            e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            block_table = Block_Table + req * stride_block_table
+            # When pages hold whole KV tiles, tiles start on a multiple of BLOCK_N
+            # (the first one masked below the split) and each reads one page.
+            TILES_IN_PAGES: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+            loop_start = split_kv_start
+            if TILES_IN_PAGES:
+                loop_start = split_kv_start // BLOCK_N * BLOCK_N
+            for start_n in tl.range(loop_start, split_kv_end, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                mask_n = (offs_n >= split_kv_start) & (offs_n < split_kv_end)
+                if TILES_IN_PAGES:
+                    page = tl.load(block_table + start_n // PAGE_SIZE).to(tl.int64)
+                    offs_kv = (
+                        page * stride_kv_page
+                        + (start_n % PAGE_SIZE + tl.arange(0, BLOCK_N))
+                        * stride_kv_token
+                    )
+                else:
+                    pages = tl.load(
+                        block_table + offs_n // PAGE_SIZE, mask=mask_n, other=0
+                    ).to(tl.int64)  # page number * page stride overflows int32
+                    offs_kv = (
+                        pages * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_token
+                    )
+                kv_ptrs = KV_Buffer + offs_kv[:, None] + offs_dv[None, :]
+                mask_kv = mask_n[:, None] & mask_dv[None, :]
+                kv = tl.load(kv_ptrs, mask=mask_kv, other=0.0).to(q.dtype)
+                qk = tl.dot(q, tl.trans(kv))
+                if BLOCK_DPE > 0:
+                    k_pe = tl.load(
+                        KV_Buffer + offs_kv[:, None] + offs_dpe[None, :],
+                        mask=mask_n[:, None] & mask_dpe[None, :],
+                        other=0.0,
+                    ).to(q.dtype)
+                    qk = tl.dot(q_pe, tl.trans(k_pe), qk)
+                qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+
+                n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+                re_scale = tl.exp2(e_max - n_e_max)
+                p = tl.exp2(qk - n_e_max[:, None])
+                e_sum = e_sum * re_scale + tl.sum(p, 1)
+                if KV_FP8 and RELOAD_FP8_V:
+                    # Loaded again for PV, from L1/L2: Triton copies a load with one
+                    # use asynchronously (pipelined); a converted tile with two uses
+                    # is loaded synchronously every iteration. Costlier than the
+                    # stall for 64-row tiles, which have no registers to spare.
+                    kv = tl.load(
+                        kv_ptrs, mask=mask_kv, other=0.0, cache_modifier=".ca"
+                    ).to(q.dtype)
+                acc = tl.dot(p.to(q.dtype), kv, acc * re_scale[:, None])
+                e_max = n_e_max
+
+            offs_mid = (
+                req.to(tl.int64) * stride_mid_req
+                + offs_m * stride_mid_row
+                + split_kv_id * stride_mid_split
+            )
+            tl.store(
+                Att_Out + offs_mid[:, None] + offs_dv[None, :],
+                acc * (scale / e_sum[:, None]),
+                mask=mask_m[:, None] & mask_dv[None, :],
+            )
+            # The LSE in natural-log units, as stage 2 and the callers expect.
+            tl.store(
+                Att_Out + offs_mid + Lv,
+                (e_max + tl.log2(e_sum)) * 0.6931471805599453,
+                mask=mask_m,
+            )
 
 
 @triton.jit
@@ -491,13 +518,14 @@ def decode_attention_fwd_mla_block(
         slots,
         NUM_KV_SPLITS=num_kv_splits,
         MIN_SPLIT_TOKENS=_MIN_SPLIT_TOKENS,
+        SPLIT_OVERHEAD_TOKENS=_SPLIT_OVERHEAD_TOKENS,
+        NUM_PLANS=_NUM_PLANS,
         REQ_CHUNK=_REQ_CHUNK,
     )
 
-    # Programs per row tile: room for the most busy programs that the plan
-    # gives, from the batch size alone (graph-safe).
-    grid_items = 2 * num_reqs + triton.cdiv(slots, num_row_tiles)
-    _fwd_mla_block_kernel_stage1[(num_row_tiles, grid_items)](
+    # One program per slot: each loops over its share of the work, however
+    # much the plan gives (graph-safe).
+    _fwd_mla_block_kernel_stage1[(slots,)](
         q_nope,
         q_pe,
         kv_buffer,
