@@ -326,7 +326,7 @@ def test_forward_mqa_decodes_non_causal_block_like_flattened_rows(
 @pytest.mark.parametrize("num_reqs", [1, 16, 256])
 @pytest.mark.parametrize("max_seq_len", [100, 4096, MAX_MODEL_LEN])
 def test_block_decode_split_bound_fits_the_workspace(num_reqs: int, max_seq_len: int):
-    """The split count sizes the grid and the scratch: a power of 2, never more
+    """The split count sizes the scratch: a power of 2, never more
     than the workspace reserved for max_model_len, and enough for one long
     request alone to give every SM a program."""
     from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits

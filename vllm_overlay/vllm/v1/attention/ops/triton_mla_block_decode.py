@@ -40,6 +40,9 @@ class _MLABlockTile:
     num_stages: int
     # An fp8 tile is loaded a second time for PV (see the kernel).
     reload_fp8_v: bool = False
+    # Programs of this tile that run at once on an SM (registers, shared
+    # memory): stage 1 runs this many per SM.
+    programs_per_sm: int = 1
     # ROCm compiler option (see _launch_options): 0 lets the registers decide.
     waves_per_eu: int = 0
 
@@ -49,20 +52,21 @@ class _MLABlockTile:
 # (64 x 512) is 128 registers a thread there. Shared memory at 576-wide rows:
 # the query tile (72 KiB at 64 rows) plus the KV stages (bf16: 2 x 72 KiB;
 # fp8: 72 KiB loaded to registers and converted into 144 KiB), 216 KiB in all,
-# within the 227 KiB of Hopper and datacenter Blackwell. 32-row tiles: 8
-# warps, which leave them without register spills (4 warps spill), bf16 112
-# KiB, fp8 72 KiB.
+# within the 227 KiB of Hopper and datacenter Blackwell. 32-row tiles: bf16
+# 112 KiB and 4 warps (two programs an SM), fp8 108 KiB and 8 warps (one).
+# These tiles spill registers; 8-warp 32-row tiles that do not were 1.2-1.5x
+# slower on an H200.
 _TILES_LARGE_SMEM = {
     (64, False): _MLABlockTile(64, 64, 8, 2),
     (64, True): _MLABlockTile(64, 128, 8, 1),
-    (32, False): _MLABlockTile(32, 64, 8, 2),
-    (32, True): _MLABlockTile(32, 32, 8, 2, reload_fp8_v=True),
+    (32, False): _MLABlockTile(32, 64, 4, 2, programs_per_sm=2),
+    (32, True): _MLABlockTile(32, 64, 8, 3, reload_fp8_v=True),
 }
 _LARGE_SMEM_BYTES = 216 * 1024
 # Elsewhere (A100: 164 KiB, consumer parts: ~100 KiB): 32 rows and 32 KV
-# tokens, 72-74 KiB as compiled for an H200 (2 x 36 KiB of KV stages; the
-# query tile passes through shared memory once), 8 warps (4 spill).
-_TILE_SMALL_SMEM = _MLABlockTile(32, 32, 8, 2, reload_fp8_v=True)
+# tokens, 70-74 KiB as compiled for an H200 (2 x 36 KiB of KV stages; the
+# query tile passes through shared memory once).
+_TILE_SMALL_SMEM = _MLABlockTile(32, 32, 4, 2, reload_fp8_v=True)
 # ROCm, by architecture and KV dtype (fp8?): 16 KV tokens a tile, one stage
 # where 64 KiB of LDS (CDNA3) allow no more. Chosen by compiling for each
 # architecture (Triton 3.8): LDS, VGPRs and spills, and the waves per SIMD they
@@ -147,7 +151,7 @@ def mla_block_decode_num_kv_splits(
     each request takes is decided on the device, from the lengths."""
     rows = q.shape[0] // num_reqs * q.shape[1]
     tile = _mla_block_tile(rows, kv_buffer.dtype, q.device)
-    slots = num_sms
+    slots = num_sms * tile.programs_per_sm
     wanted = min(
         cdiv(2 * slots, cdiv(rows, tile.block_m)),
         cdiv(max_seq_len, _MIN_SPLIT_TOKENS),
@@ -501,8 +505,8 @@ def decode_attention_fwd_mla_block(
     tile = _mla_block_tile(rows, kv_buffer.dtype, q_nope.device)
     num_row_tiles = triton.cdiv(rows, tile.block_m)
     num_kv_splits = attn_logits.shape[2]
-    # Programs that run at once on the GPU: every tile takes an SM (a CU).
-    slots = num_sms
+    # Programs of this tile that run at once on the GPU.
+    slots = num_sms * tile.programs_per_sm
     # Per request, its rows are contiguous in the outputs and the scratch.
     mid = attn_logits.view(num_reqs, rows, *attn_logits.shape[2:])
     o_rows = o.view(num_reqs, rows, Lv)
