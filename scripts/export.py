@@ -305,8 +305,9 @@ def _blobs(tree: Path, rev: str) -> Iterator[bytes]:
 
 # --- figures and the commit that measured them ------------------------------------
 
-# How a message or notes file names the project commit a figure was measured on.
-_MEASURED_AT = re.compile(r"\b(project commit) ([0-9a-f]{7,40})\b")
+# How a message or notes file names the project commit a figure was measured on
+# (wrapped text may break the name over lines).
+_MEASURED_AT = re.compile(r"\b(project\s+commit)\s+([0-9a-f]{7,40})\b")
 
 
 def _code(patch_file: bytes) -> bytes:

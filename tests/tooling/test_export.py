@@ -412,14 +412,16 @@ def test_a_commit_whose_author_is_not_utf8_is_named(series):
 
 def test_a_figure_measured_before_the_patch_changed_is_marked_stale(series):
     """A figure names the project commit it was measured on. If the patch's diff
-    changed since (not only its message), PR.md says so next to it."""
+    changed since (not only its message), PR.md says so next to it, also where
+    the name is wrapped over two lines."""
     _write_summary(series)
     notes = series.patches / "notes" / f"{STEMS[6]}.md"
     series.git("init", "-q", "-b", "main", cwd=series.root)
     series.git("add", "-A", cwd=series.root)
     series.git("commit", "-q", "-m", "measured", cwd=series.root)
     measured = series.git("rev-parse", "--short", "HEAD", cwd=series.root)
-    notes.write_text(f"## Evidence\n\n3.1 ms a step, at project commit {measured}.\n")
+    notes.write_text(f"## Evidence\n\n3.1 ms a step, at project commit {measured}.\n"
+                     f"4.2 ms a layer, at project\ncommit {measured}.\n")
     series.git("commit", "-q", "--amend", "-m", "[Bugfix] Describe vLLM", "-m",
                "Reworded: the code is still what was measured.", "-m", SIGNOFF)
     series.ok("patches")
@@ -437,6 +439,7 @@ def test_a_figure_measured_before_the_patch_changed_is_marked_stale(series):
     pr = (folder(series, 7) / "PR.md").read_text()
     assert (f"at project commit {measured} (**stale**: this PR's code changed after that "
             "measurement)." in pr)
+    assert f"at project\ncommit {measured} (**stale**" in pr
     assert "marked stale in PR.md" in result.stderr and "(patch 7)" in result.stderr
 
 
