@@ -24,7 +24,7 @@ from scripts.amd_resources.targets import Arch
 def production_resources(tree: Path, arch: Arch, jobs: int = 1) -> list[Resources]:
     with rocm_modules(tree, arch) as load:
         launches = (shapes.attention_launches(load, tree, arch) + shapes.sampler_launches(load)
-                    + shapes.v1_sampler_launches(tree))
+                    + shapes.v1_sampler_launches(tree) + shapes.aiter_fp8_bmm_launches(arch))
         return compile_all(launches, arch, jobs)
 
 
@@ -49,6 +49,26 @@ def run(tree: Path, archs: list[Arch], jobs: int = 1
     return results, failures
 
 
+def reference_findings(results: list[Resources]) -> list[str]:
+    """One line per reference path, arch and kernel whose variants fail to
+    compile or use scratch: how many, and the scratch they take."""
+    found: dict[tuple[str, str, str], list[Resources]] = {}
+    for r in results:
+        if not is_checked(r) and (r.error or r.scratch or r.vgpr_spills or r.sgpr_spills):
+            found.setdefault((PATH_NAMES[path_of(r)], r.arch, kernel_name(r)), []).append(r)
+    lines = []
+    for (path, arch, kernel), members in found.items():
+        errors = sorted({m.error for m in members if m.error})
+        scratch = sorted({m.scratch for m in members if not m.error})
+        what = [f"does not compile: {errors[0]}"] if errors else []
+        if scratch:
+            span = f"{scratch[0]}-{scratch[-1]}" if len(scratch) > 1 else f"{scratch[0]}"
+            what.append(f"scratch {span} B a lane")
+        lines.append(f"reference {path} {arch} {kernel}: {len(members)} variant(s), "
+                     + "; ".join(what))
+    return lines
+
+
 def report(results: dict[str, list[Resources]], failures: list[str], markdown: bool) -> str:
     import triton
 
@@ -57,11 +77,9 @@ def report(results: dict[str, list[Resources]], failures: list[str], markdown: b
              "AMD backend, compiled on CPU; python -m scripts.amd_resources):",
              render(HEADERS, summary_rows(everything), markdown), ""]
     lines += [f"note: {line}" for line in notes(everything)]
-    # The flat path is 0.33.0's: what it breaks is shown, never a failure of the stack.
-    for r in everything:
-        if not is_checked(r) and (r.error or r.scratch or r.vgpr_spills or r.sgpr_spills):
-            lines.append(f"reference {PATH_NAMES[path_of(r)]} {r.arch} {kernel_name(r)}: "
-                         f"{r.error or f'scratch {r.scratch} B'}")
+    # The flat path is 0.33.0's and the aiter path aiter's: what they break is
+    # shown, never a failure of the stack.
+    lines += reference_findings(everything)
     if failures:
         lines += ["", f"FAILED: {len(failures)} variant(s) of the stack's kernels:"]
         lines += [f"  {line}" for line in failures]

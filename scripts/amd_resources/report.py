@@ -7,10 +7,12 @@ from collections.abc import Iterable
 from scripts.amd_resources.resources import Resources
 
 # Paths whose kernels the stack adds or changes: the check holds them to the
-# GPU's limits. The flat path is 0.33.0's, shown for reference.
+# GPU's limits. The flat path is 0.33.0's and the aiter path aiter's (the
+# absorb with AITER's FP8 BMM on), shown for reference.
 CHECKED_PATHS = ("block", "sampler", "v1 sampler")
 PATH_NAMES = {"block": "block (patch 5)", "sampler": "sampler (patch 8)",
-              "v1 sampler": "V1 sampler (patch 9)", "flat": "flat (0.33.0, ref.)"}
+              "v1 sampler": "V1 sampler (patch 9)", "flat": "flat (0.33.0, ref.)",
+              "aiter": "aiter FP8 BMM (ref.)"}
 # Constexprs that are the same at every production shape (512 + 64 latent).
 _FIXED_BLOCKS = {"BLOCK_DV", "BLOCK_DMODEL", "BLOCK_DPE"}
 
@@ -27,7 +29,8 @@ def is_checked(result: Resources) -> bool:
 
 
 def _tile_sizes(result: Resources) -> dict[str, int]:
-    return {name[len("BLOCK_"):]: value for name, value in result.constexprs.items()
+    return {name[len("BLOCK_"):].removeprefix("SIZE_"): value
+            for name, value in result.constexprs.items()
             if name.startswith("BLOCK_") and name not in _FIXED_BLOCKS}
 
 
@@ -85,7 +88,7 @@ def summary_rows(results: list[Resources]) -> list[list[str]]:
             for (arch, path, kernel, tile_text, launch, figures), (caches, count) in merged.items()]
 
 
-_PATH_ORDER = ("block", "sampler", "v1 sampler", "flat")
+_PATH_ORDER = ("block", "sampler", "v1 sampler", "flat", "aiter")
 
 
 def _kv_caches(result: Resources) -> tuple[tuple[str, str], ...]:

@@ -13,11 +13,19 @@ launches is recorded (kernel_tree.record_launches), never run.
 - Patch 9, the V1 rejection sampler's `sample_recovered_tokens_kernel`, as its
   dispatcher launches it. That module needs all of vLLM, so the kernel (which
   uses only `tl`) is compiled from the tree's file alone.
+- With AITER's FP8 BMM on (`VLLM_ROCM_USE_AITER=1`,
+  `VLLM_ROCM_USE_AITER_FP8BMM=1`), the drafter's MLA absorb runs aiter's
+  Triton batched GEMM (`rocm_aiter_ops.triton_fp8_bmm`), which
+  `MLAAttention.process_weights_after_loading` pre-compiles for 1..1024
+  tokens with W_K and W_V: every one of those launches, from the installed
+  aiter package (its Triton kernels only, through the test harness's stand-in
+  for the package: its `__init__` needs a ROCm install).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
@@ -53,6 +61,13 @@ MAX_MODEL_LEN = 131072
 # storage is under 2 GiB. vLLM's per-layer KV cache is either, by GPU memory
 # and model: both are compiled.
 KV_STORAGE_BYTES = {"KV<2G": 1 << 30, "KV>2G": 4 << 30}
+# The absorb's batched GEMMs: W_K (heads, kv_lora_rank, qk_nope_head_dim) and
+# W_V (heads, v_head_dim, kv_lora_rank), as process_weights_after_loading
+# lays them out, pre-compiled for every token count up to this.
+QK_NOPE_HEAD_DIM = V_HEAD_DIM = 128
+AITER_PRECOMPILED_TOKENS = 1024
+AITER_FP8_BMM = ("aiter.ops.triton.batched_gemm_a8w8_a_per_token_group_prequant_w_per_"
+                 "batched_tensor_quant")
 VOCAB_SIZE = 163840
 NUM_SPECULATIVE_STEPS = 6
 SAMPLER_REQUESTS = 16
@@ -203,3 +218,31 @@ def _jit_from_file(path: Path, name: str):
                  "__name__": ".".join(PurePosixPath(V1_SAMPLER).with_suffix("").parts)}
     exec(compile(ast.Module(found, type_ignores=[]), str(path), "exec"), namespace)
     return namespace[name]
+
+
+def aiter_fp8_bmm_launches(arch: Arch) -> list[Launch]:
+    """aiter's FP8 batched GEMM as MLAAttention pre-compiles it with AITER's FP8
+    BMM on (mla_attention.py, process_weights_after_loading): bf16 activations
+    of 1..1024 tokens against W_K and W_V, quantized to the platform's fp8,
+    per head count."""
+    from tests.verification.harness import aiter
+
+    aiter.install_stand_in()
+    module = importlib.import_module(AITER_FP8_BMM)
+    bmm = getattr(module, AITER_FP8_BMM.rsplit(".", 1)[1])
+    fp8 = kv_dtypes(arch)["fp8"]
+    scale = _meta(1, dtype=torch.float32)
+    launches = []
+    for heads in HEADS_PER_RANK:
+        weights = {"W_K": (heads, KV_LORA_RANK, QK_NOPE_HEAD_DIM),
+                   "W_V": (heads, V_HEAD_DIM, KV_LORA_RANK)}
+        for name, size in weights.items():
+            weight = _meta(*size, dtype=fp8)
+            with record_launches() as recorded:
+                for tokens in range(1, AITER_PRECOMPILED_TOKENS + 1):
+                    x = _meta(heads, tokens, size[2], dtype=torch.bfloat16)
+                    bmm(x, weight, scale, group_size=128, transpose_bm=True)
+            for launch in recorded:
+                launch.shape = {"path": "aiter", "heads": heads, "weight": name}
+            launches += recorded
+    return launches

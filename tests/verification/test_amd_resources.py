@@ -5,7 +5,9 @@ launch that patch 8's `rejection_sample`, patch 5's
 `decode_attention_fwd_mla_block` and patch 9's V1 recovery kernel make at the
 drafter's production shapes (the block path at 1, 3 and 16 requests), with
 the launch options and constexprs the wrappers pass on ROCm, and exits 1 when
-one does not compile, needs more LDS than a CU has, or spills. It runs in a
+one does not compile, needs more LDS than a CU has, or spills. With them, for
+reference (never a failure of the stack), aiter's FP8 batched GEMM as the MLA
+absorb pre-compiles it with AITER's FP8 BMM on. It runs in a
 process of its own: it imports the tree's kernel files under a ROCm platform
 stand-in, which this pytest process must never see. Compiled kernels are kept
 in build/amd-resources/ (about 3 minutes on 2 cores the first time, seconds
@@ -38,6 +40,7 @@ STACK_KERNELS = {
 }
 # heads per rank x query_len x KV dtype x page x KV storage (under/over 2 GiB)
 PRODUCTION_SHAPES = 4 * 7 * 2 * 2 * 2
+AITER_FP8_BMM = "_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel"
 
 
 def amd_resources(*args: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
@@ -71,7 +74,16 @@ def test_every_stack_kernel_fits_mi300_and_mi355(tmp_path, record_property):
                         f"{min(v['vgprs'] for v in stage1)}-{max(v['vgprs'] for v in stage1)}")
         record_property(f"measure:{arch} block stage 1 LDS KiB",
                         max(v["lds"] for v in stage1) // 1024)
+        # aiter's FP8 BMM, every head count with W_K and W_V, compiled for this
+        # GPU (its fp8 is the platform's) without errors; shown, not checked.
+        bmm = [v for v in variants if v["kernel"] == AITER_FP8_BMM]
+        assert {(s["heads"], s["weight"]) for v in bmm for s in v["shapes"]} == {
+            (heads, weight) for heads in (8, 16, 32, 64) for weight in ("W_K", "W_V")}
+        assert not any(v["error"] for v in bmm)
+        record_property(f"measure:{arch} aiter FP8 BMM variants, with scratch",
+                        f"{len(bmm)}, {sum(1 for v in bmm if v['scratch'])}")
     assert "0.33.0" in result.stdout and "fwd_grouped_stage1" in result.stdout
+    assert "aiter FP8 BMM (ref.)" in result.stdout
 
 
 # Stage 1 at the tile study's shape with the wrapper's launch, except for these.
