@@ -12,7 +12,8 @@ max_model_len and a padded batch, so whatever the host derived from the
 lengths would be wrong at every replay. The host sizes only the grids (from
 the batch size and the GPU) and the scratch (the most splits one request may
 take). On the device, a one-program kernel (_mla_block_plan_kernel) shares
-the batch's real KV out into splits from the lengths; stage 1 runs one
+the batch's real KV out into splits from the lengths (a lone request's stage
+1 programs plan it themselves, which saves a launch); stage 1 runs one
 program per slot of the GPU, each looping over its share of the splits, so
 that short, long and ragged batches all keep the GPU full; the merge reads
 only the splits a row has.
@@ -137,6 +138,17 @@ def _mla_block_tile(
     return replace(tile, block_m=min(tile.block_m, rows_per_tile))
 
 
+def _split_merge_tokens(
+    rows: int, row_tiles: int, slots: int, Lv: int, Lk: int, kv_itemsize: int
+) -> int:
+    """What a split's partial output costs in the split plan's unit (the time
+    one of `slots` busy programs takes to read a KV token): its rows x (Lv + 1)
+    fp32, written by stage 1 and read by the merge, against the KV a round of
+    programs reads, once per split (its row tiles share the read in L2)."""
+    partial_bytes = 2 * rows * (Lv + 1) * 4
+    return partial_bytes * row_tiles // (slots * Lk * kv_itemsize)
+
+
 def mla_block_decode_num_kv_splits(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
@@ -160,12 +172,46 @@ def mla_block_decode_num_kv_splits(
 
 
 @triton.jit
+def _mla_block_plan_share(
+    tokens, busy, row_tiles, slots, plan, MIN_SPLIT_TOKENS: tl.constexpr
+):
+    """KV tokens a split under candidate `plan` (an index or a range of them):
+    the batch's `tokens` shared out evenly (at least MIN_SPLIT_TOKENS) over
+    `busy` requests' row tiles in 2**plan times as many waves of `slots`
+    programs as hold the unsplit row tiles. Rounding each request's splits up
+    adds at most one program per row tile to an even share, so the busy
+    programs stay within the waves."""
+    tiles = busy * row_tiles
+    waves = tl.maximum(tl.cdiv(tiles, slots), 1) << plan
+    even = tl.cdiv(tokens * row_tiles, tl.maximum(waves * slots - tiles, 1))
+    return tl.minimum(tl.maximum(even, MIN_SPLIT_TOKENS), 1 << 30).to(tl.int32)
+
+
+@triton.jit
+def _mla_block_plan_cost(
+    num_splits,
+    longest,
+    row_tiles,
+    slots,
+    merge_tokens,
+    SPLIT_OVERHEAD_TOKENS: tl.constexpr,
+):
+    """A plan's estimated time: its rounds of `slots` programs, each as long as
+    its longest split plus SPLIT_OVERHEAD_TOKENS (exact for a uniform batch; a
+    ragged one finishes sooner), plus merge_tokens for each split's partial
+    output."""
+    rounds = tl.cdiv(num_splits * row_tiles, slots)
+    return rounds * (longest + SPLIT_OVERHEAD_TOKENS) + num_splits * merge_tokens
+
+
+@triton.jit
 def _mla_block_plan_kernel(
     Seq_Lens,
     Split_Ends,
     num_reqs,
     row_tiles,
     slots,
+    merge_tokens,
     NUM_KV_SPLITS: tl.constexpr,
     MIN_SPLIT_TOKENS: tl.constexpr,
     SPLIT_OVERHEAD_TOKENS: tl.constexpr,
@@ -174,10 +220,10 @@ def _mla_block_plan_kernel(
 ):
     """One program: the KV splits of every request, as their running total
     (Split_Ends[r] = splits of requests 0..r), for both kernels. The batch's
-    KV is shared out evenly (at least MIN_SPLIT_TOKENS a split, at most
-    NUM_KV_SPLITS splits a request) for the candidate number of waves of
-    `slots` programs with the shortest estimated time: more waves even out
-    ragged lengths and the last wave, fewer spare each split's fixed cost."""
+    KV is shared out evenly (at most NUM_KV_SPLITS splits a request) for the
+    candidate number of waves with the shortest estimated time: more waves
+    even out ragged lengths and the last wave, fewer spare each split's fixed
+    cost."""
     busy = tl.full([], 0, tl.int64)
     tokens = tl.full([], 0, tl.int64)
     for start in range(0, num_reqs, REQ_CHUNK):
@@ -185,17 +231,10 @@ def _mla_block_plan_kernel(
         lens = tl.load(Seq_Lens + offs_r, mask=offs_r < num_reqs, other=0)
         busy += tl.sum((lens > 0).to(tl.int64), 0)
         tokens += tl.sum(lens.to(tl.int64), 0)
-    tiles = busy * row_tiles
-    # The candidates: from as many waves as hold the unsplit row tiles, each
-    # twice the last. Rounding each request's splits up adds at most one
-    # program per row tile to an even share, so the busy programs stay
-    # within waves x slots.
-    waves = tl.maximum(tl.cdiv(tiles, slots), 1) << tl.arange(0, NUM_PLANS)
-    even = tl.cdiv(tokens * row_tiles, tl.maximum(waves * slots - tiles, 1))
-    even = tl.minimum(tl.maximum(even, MIN_SPLIT_TOKENS), 1 << 30).to(tl.int32)
-    # Each one's estimated time: its rounds of `slots` programs, each as long
-    # as its longest split plus SPLIT_OVERHEAD_TOKENS (exact for a uniform
-    # batch; a ragged one finishes sooner).
+    candidates = tl.arange(0, NUM_PLANS)
+    even = _mla_block_plan_share(
+        tokens, busy, row_tiles, slots, candidates, MIN_SPLIT_TOKENS
+    )
     num_splits = tl.zeros([NUM_PLANS], dtype=tl.int64)
     longest = tl.zeros([NUM_PLANS], dtype=tl.int32)
     for start in range(0, num_reqs, REQ_CHUNK):
@@ -205,11 +244,12 @@ def _mla_block_plan_kernel(
         num_splits += tl.sum(splits.to(tl.int64), 1)
         split_len = tl.cdiv(lens, tl.maximum(splits, 1))
         longest = tl.maximum(longest, tl.max(split_len, 1))
-    rounds = tl.cdiv(num_splits * row_tiles, slots)
-    cost = rounds * (longest + SPLIT_OVERHEAD_TOKENS)
+    cost = _mla_block_plan_cost(
+        num_splits, longest, row_tiles, slots, merge_tokens, SPLIT_OVERHEAD_TOKENS
+    )
     # The fewest waves among the fastest.
     best = tl.argmin(cost, 0)
-    share = tl.sum(tl.where(tl.arange(0, NUM_PLANS) == best, even, 0), 0)
+    share = tl.sum(tl.where(candidates == best, even, 0), 0)
     total = tl.full([], 0, tl.int32)
     for start in range(0, num_reqs, REQ_CHUNK):
         offs_r = start + tl.arange(0, REQ_CHUNK)
@@ -219,6 +259,45 @@ def _mla_block_plan_kernel(
         ends = total + tl.cumsum(splits, 0)
         tl.store(Split_Ends + offs_r, ends, mask=mask_r)
         total = tl.max(ends, 0)
+
+
+@triton.jit
+def _mla_block_single_req_splits(
+    seq_len,
+    row_tiles,
+    slots,
+    merge_tokens,
+    NUM_KV_SPLITS: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
+    SPLIT_OVERHEAD_TOKENS: tl.constexpr,
+    NUM_PLANS: tl.constexpr,
+):
+    """_mla_block_plan_kernel's splits for a batch of one request, in scalars
+    (vectors of candidates here cost stage 1 spills on Hopper)."""
+    share = tl.full([], 0, tl.int32)
+    best = tl.full([], 1 << 62, tl.int64)
+    for plan in tl.static_range(NUM_PLANS):
+        even = _mla_block_plan_share(
+            seq_len.to(tl.int64),
+            (seq_len > 0).to(tl.int64),
+            row_tiles,
+            slots,
+            plan,
+            MIN_SPLIT_TOKENS,
+        )
+        splits = tl.minimum(tl.cdiv(seq_len, even), NUM_KV_SPLITS)
+        cost = _mla_block_plan_cost(
+            splits.to(tl.int64),
+            tl.cdiv(seq_len, tl.maximum(splits, 1)),
+            row_tiles,
+            slots,
+            merge_tokens,
+            SPLIT_OVERHEAD_TOKENS,
+        )
+        # The fewest waves among the fastest.
+        share = tl.where(cost < best, even, share)
+        best = tl.minimum(cost, best)
+    return tl.minimum(tl.cdiv(seq_len, share), NUM_KV_SPLITS).to(tl.int32)
 
 
 @triton.jit
@@ -259,6 +338,7 @@ def _fwd_mla_block_kernel_stage1(
     stride_mid_req,
     stride_mid_row,
     stride_mid_split,
+    merge_tokens,
     NUM_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -268,6 +348,11 @@ def _fwd_mla_block_kernel_stage1(
     Lk: tl.constexpr,
     Lv: tl.constexpr,
     RELOAD_FP8_V: tl.constexpr,
+    SINGLE_REQ: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
+    SPLIT_OVERHEAD_TOKENS: tl.constexpr,
+    NUM_PLANS: tl.constexpr,
 ):
     # The programs fill the GPU once and take the launch's work in turn:
     # item `work // row_tiles` of the splits, counted over the requests in
@@ -275,21 +360,44 @@ def _fwd_mla_block_kernel_stage1(
     # side by side and share its KV in L2). The grid is sized on the host
     # (e.g. at graph capture); how much work there is, the plan decided.
     row_tiles = tl.cdiv(query_len * NUM_HEADS, BLOCK_M)
-    total = tl.load(Split_Ends + num_reqs - 1, mask=num_reqs > 0, other=0) * row_tiles
+    if SINGLE_REQ:
+        # One request: every program plans its splits (one load), which spares
+        # the launch the plan kernel; the first keeps them for stage 2.
+        single_req_splits = _mla_block_single_req_splits(
+            tl.load(Seq_Lens),
+            row_tiles,
+            tl.num_programs(0),
+            merge_tokens,
+            NUM_KV_SPLITS,
+            MIN_SPLIT_TOKENS,
+            SPLIT_OVERHEAD_TOKENS,
+            NUM_PLANS,
+        )
+        if tl.program_id(0) == 0:
+            tl.store(Split_Ends, single_req_splits)
+        total = single_req_splits * row_tiles
+    else:
+        last = tl.load(Split_Ends + num_reqs - 1, mask=num_reqs > 0, other=0)
+        total = last * row_tiles
     for work in range(tl.program_id(0), total, tl.num_programs(0)):
         row_tile = work % row_tiles
         item = work // row_tiles
-        # The request is the first whose running total passes `item`.
-        lo = num_reqs * 0  # a tensor, even where num_reqs is the constant 1
-        hi = num_reqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            past = tl.load(Split_Ends + mid) > item
-            hi = tl.where(past, mid, hi)
-            lo = tl.where(past, lo, mid + 1)
-        req = lo
-        first, num_splits = _mla_block_req_splits(Split_Ends, req)
-        split_kv_id = item - first
+        if SINGLE_REQ:
+            req = num_reqs * 0
+            num_splits = single_req_splits
+            split_kv_id = item
+        else:
+            # The request is the first whose running total passes `item`.
+            lo = num_reqs * 0  # a tensor, even where num_reqs is the constant 1
+            hi = num_reqs
+            while lo < hi:
+                mid = (lo + hi) // 2
+                past = tl.load(Split_Ends + mid) > item
+                hi = tl.where(past, mid, hi)
+                lo = tl.where(past, lo, mid + 1)
+            req = lo
+            first, num_splits = _mla_block_req_splits(Split_Ends, req)
+            split_kv_id = item - first
         seq_len = tl.load(Seq_Lens + req)
         split_len = _mla_block_split_len(seq_len, num_splits, BLOCK_N)
         split_kv_start = split_len * split_kv_id
@@ -510,20 +618,30 @@ def decode_attention_fwd_mla_block(
     # Per request, its rows are contiguous in the outputs and the scratch.
     mid = attn_logits.view(num_reqs, rows, *attn_logits.shape[2:])
     o_rows = o.view(num_reqs, rows, Lv)
-    # The splits of each request, decided once from the lengths on the device.
+    # The splits of each request, decided once from the lengths on the device
+    # (for one request, by stage 1 itself).
     split_ends = torch.empty(num_reqs, dtype=torch.int32, device=seq_lens.device)
-    _mla_block_plan_kernel[(1,)](
-        seq_lens,
-        split_ends,
-        num_reqs,
-        num_row_tiles,
-        slots,
+    merge_tokens = _split_merge_tokens(
+        rows, num_row_tiles, slots, Lv, Lk, kv_buffer.dtype.itemsize
+    )
+    plan = dict(
         NUM_KV_SPLITS=num_kv_splits,
         MIN_SPLIT_TOKENS=_MIN_SPLIT_TOKENS,
         SPLIT_OVERHEAD_TOKENS=_SPLIT_OVERHEAD_TOKENS,
         NUM_PLANS=_NUM_PLANS,
-        REQ_CHUNK=_REQ_CHUNK,
     )
+    single_req = num_reqs == 1
+    if not single_req:
+        _mla_block_plan_kernel[(1,)](
+            seq_lens,
+            split_ends,
+            num_reqs,
+            num_row_tiles,
+            slots,
+            merge_tokens,
+            REQ_CHUNK=_REQ_CHUNK,
+            **plan,
+        )
 
     # One program per slot: each loops over its share of the work, however
     # much the plan gives (graph-safe).
@@ -549,6 +667,7 @@ def decode_attention_fwd_mla_block(
         mid.stride(0),
         mid.stride(1),
         mid.stride(2),
+        merge_tokens,
         NUM_HEADS=num_heads,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
@@ -558,6 +677,8 @@ def decode_attention_fwd_mla_block(
         Lk=Lk,
         Lv=Lv,
         RELOAD_FP8_V=tile.reload_fp8_v,
+        SINGLE_REQ=single_req,
+        **plan,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **_launch_options(tile),
