@@ -138,17 +138,6 @@ def _mla_block_tile(
     return replace(tile, block_m=min(tile.block_m, rows_per_tile))
 
 
-def _split_merge_tokens(
-    rows: int, row_tiles: int, slots: int, Lv: int, Lk: int, kv_itemsize: int
-) -> int:
-    """What a split's partial output costs in the split plan's unit (the time
-    one of `slots` busy programs takes to read a KV token): its rows x (Lv + 1)
-    fp32, written by stage 1 and read by the merge, against the KV a round of
-    programs reads, once per split (its row tiles share the read in L2)."""
-    partial_bytes = 2 * rows * (Lv + 1) * 4
-    return partial_bytes * row_tiles // (slots * Lk * kv_itemsize)
-
-
 def mla_block_decode_num_kv_splits(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
@@ -193,15 +182,13 @@ def _mla_block_plan_cost(
     longest,
     row_tiles,
     slots,
-    merge_tokens,
     SPLIT_OVERHEAD_TOKENS: tl.constexpr,
 ):
     """A plan's estimated time: its rounds of `slots` programs, each as long as
     its longest split plus SPLIT_OVERHEAD_TOKENS (exact for a uniform batch; a
-    ragged one finishes sooner), plus merge_tokens for each split's partial
-    output."""
+    ragged one finishes sooner)."""
     rounds = tl.cdiv(num_splits * row_tiles, slots)
-    return rounds * (longest + SPLIT_OVERHEAD_TOKENS) + num_splits * merge_tokens
+    return rounds * (longest + SPLIT_OVERHEAD_TOKENS)
 
 
 @triton.jit
@@ -211,7 +198,6 @@ def _mla_block_plan_kernel(
     num_reqs,
     row_tiles,
     slots,
-    merge_tokens,
     NUM_KV_SPLITS: tl.constexpr,
     MIN_SPLIT_TOKENS: tl.constexpr,
     SPLIT_OVERHEAD_TOKENS: tl.constexpr,
@@ -245,7 +231,7 @@ def _mla_block_plan_kernel(
         split_len = tl.cdiv(lens, tl.maximum(splits, 1))
         longest = tl.maximum(longest, tl.max(split_len, 1))
     cost = _mla_block_plan_cost(
-        num_splits, longest, row_tiles, slots, merge_tokens, SPLIT_OVERHEAD_TOKENS
+        num_splits, longest, row_tiles, slots, SPLIT_OVERHEAD_TOKENS
     )
     # The fewest waves among the fastest.
     best = tl.argmin(cost, 0)
@@ -266,7 +252,6 @@ def _mla_block_single_req_splits(
     seq_len,
     row_tiles,
     slots,
-    merge_tokens,
     NUM_KV_SPLITS: tl.constexpr,
     MIN_SPLIT_TOKENS: tl.constexpr,
     SPLIT_OVERHEAD_TOKENS: tl.constexpr,
@@ -291,7 +276,6 @@ def _mla_block_single_req_splits(
             tl.cdiv(seq_len, tl.maximum(splits, 1)),
             row_tiles,
             slots,
-            merge_tokens,
             SPLIT_OVERHEAD_TOKENS,
         )
         # The fewest waves among the fastest.
@@ -338,7 +322,6 @@ def _fwd_mla_block_kernel_stage1(
     stride_mid_req,
     stride_mid_row,
     stride_mid_split,
-    merge_tokens,
     NUM_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -362,12 +345,11 @@ def _fwd_mla_block_kernel_stage1(
     row_tiles = tl.cdiv(query_len * NUM_HEADS, BLOCK_M)
     if SINGLE_REQ:
         # One request: every program plans its splits (one load), which spares
-        # the launch the plan kernel; the first keeps them for stage 2.
+        # the plan kernel's launch; the first keeps them for stage 2.
         single_req_splits = _mla_block_single_req_splits(
             tl.load(Seq_Lens),
             row_tiles,
             tl.num_programs(0),
-            merge_tokens,
             NUM_KV_SPLITS,
             MIN_SPLIT_TOKENS,
             SPLIT_OVERHEAD_TOKENS,
@@ -621,9 +603,6 @@ def decode_attention_fwd_mla_block(
     # The splits of each request, decided once from the lengths on the device
     # (for one request, by stage 1 itself).
     split_ends = torch.empty(num_reqs, dtype=torch.int32, device=seq_lens.device)
-    merge_tokens = _split_merge_tokens(
-        rows, num_row_tiles, slots, Lv, Lk, kv_buffer.dtype.itemsize
-    )
     plan = dict(
         NUM_KV_SPLITS=num_kv_splits,
         MIN_SPLIT_TOKENS=_MIN_SPLIT_TOKENS,
@@ -638,7 +617,6 @@ def decode_attention_fwd_mla_block(
             num_reqs,
             num_row_tiles,
             slots,
-            merge_tokens,
             REQ_CHUNK=_REQ_CHUNK,
             **plan,
         )
@@ -667,7 +645,6 @@ def decode_attention_fwd_mla_block(
         mid.stride(0),
         mid.stride(1),
         mid.stride(2),
-        merge_tokens,
         NUM_HEADS=num_heads,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
