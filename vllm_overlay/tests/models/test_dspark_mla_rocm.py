@@ -293,9 +293,9 @@ def build_draft(tmp_path, rocm_platform, tp1_cpu):
     return build
 
 
-def _decode(draft, attn, positions, hidden_states):
-    """One non-causal draft block (decode only) through ``attn``."""
-    num_tokens = positions.numel()
+def _block_metadata(num_tokens, num_decode_tokens=None):
+    """A non-causal draft block of one request (decode only, unless fewer
+    decode tokens are given) in slots 0..num_tokens - 1."""
     slots = torch.arange(num_tokens)
     metadata = MLACommonMetadata(
         num_reqs=1,
@@ -305,7 +305,9 @@ def _decode(draft, attn, positions, hidden_states):
         query_start_loc=torch.tensor([0, num_tokens]),
         slot_mapping=slots,
         num_decodes=1,
-        num_decode_tokens=num_tokens,
+        num_decode_tokens=num_tokens
+        if num_decode_tokens is None
+        else num_decode_tokens,
         num_prefills=0,
         causal=False,
         decode=MLACommonDecodeMetadata(
@@ -314,6 +316,12 @@ def _decode(draft, attn, positions, hidden_states):
             dcp_tot_seq_lens=None,
         ),
     )
+    return metadata, slots
+
+
+def _decode(draft, attn, positions, hidden_states):
+    """One non-causal draft block (decode only) through ``attn``."""
+    metadata, slots = _block_metadata(positions.numel())
     name = attn.mla_attn.layer_name
     with set_forward_context(
         {name: metadata}, draft.vllm_config, slot_mapping={name: slots}
@@ -484,6 +492,256 @@ def test_k3_dspark_rocm_never_takes_identity_rope_fused_decode(
 
     assert fused_calls == []
     assert len(mqa_calls) == len(kernels.rope_launches) == 1
+
+
+def _rotate(x, cos, sin, positions, is_neox):
+    """RoPE of x [tokens, heads, dim] by per-position cos/sin [*, dim / 2],
+    computed in fp32 and rounded once to x's dtype, as vLLM's rotary kernel
+    and aiter's fused kernel do with an fp32 table."""
+    c, s = cos[positions][:, None].float(), sin[positions][:, None].float()
+    xf = x.float()
+    if is_neox:
+        x1, x2 = xf.chunk(2, dim=-1)
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def _write_rows(kv_cache, slot_mapping, rows, scale):
+    """Cache rows (flattened to one per slot) of the tokens whose slot is
+    >= 0: rows / scale (a 16-bit cache: rows) in the cache's dtype."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    if kv_cache.dtype == torch.uint8:
+        flat = flat.view(current_platform.fp8_dtype())
+        rows = rows.float() / scale
+    valid = slot_mapping >= 0
+    flat[slot_mapping[valid]] = rows[valid].to(flat.dtype)
+
+
+class TorchRopeAndCache:
+    """vLLM's ``rotary_embedding`` and ``concat_and_cache_mla`` as their ROCm
+    kernels compute them, for comparing the fused path with the unfused one."""
+
+    def rotary_embedding(self, positions, query, key, head_size, table, is_neox):
+        cos, sin = table.chunk(2, dim=-1)
+        query.copy_(_rotate(query, cos, sin, positions, is_neox))
+        key.copy_(_rotate(key, cos, sin, positions, is_neox))
+
+    def concat_and_cache_mla(
+        self, kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, skip_scale
+    ):
+        rows = torch.cat((kv_c, k_pe), dim=-1)
+        _write_rows(kv_cache, slot_mapping, rows, 1.0 if skip_scale else scale)
+
+
+class FusedRopeAndCache:
+    """aiter's Triton ``fused_qk_rope_cat_and_cache_mla`` (not installed
+    here) in torch, recorded: q_out = [q_nope | RoPE(q_pe)], and each token
+    with a slot >= 0 gets the cache row [k_nope | RoPE(k_pe)] (divided by
+    k_scale with apply_scale) in the cache's dtype."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __call__(
+        self,
+        q_nope,
+        q_pe,
+        k_nope,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        pos,
+        cos,
+        sin,
+        k_scale,
+        is_neox,
+        num_decode_toks_for_zeros=0,
+        apply_scale=True,
+        q_out=None,
+        decode_q_pe_out=None,
+        k_pe_out=None,
+        q_out_dtype=None,
+    ):
+        self.calls.append(
+            dict(
+                q_pe=q_pe.clone(),
+                k_pe=k_pe.clone(),
+                kv_cache=kv_cache,
+                slot_mapping=slot_mapping,
+                pos=pos,
+                cos=cos,
+                sin=sin,
+                k_scale=k_scale,
+                is_neox=is_neox,
+                apply_scale=apply_scale,
+                q_out=q_out,
+            )
+        )
+        assert num_decode_toks_for_zeros == 0 and q_out is not None
+        assert k_nope.shape[1] == k_pe.shape[1] == kv_cache.shape[1] == 1
+        q_out.copy_(torch.cat((q_nope, _rotate(q_pe, cos, sin, pos, is_neox)), dim=-1))
+        k_pe_out = _rotate(k_pe, cos, sin, pos, is_neox)
+        rows = torch.cat((k_nope, k_pe_out), dim=-1)[:, 0].float()
+        if apply_scale:
+            rows = rows / k_scale
+        valid = slot_mapping >= 0
+        kv_cache[slot_mapping[valid], 0] = rows[valid].to(kv_cache.dtype)
+        return q_out, q_pe.new_empty(0, *q_pe.shape[1:]), k_pe_out, kv_cache
+
+
+@pytest.fixture
+def aiter_on(monkeypatch) -> FusedRopeAndCache:
+    """AITER switched on, and its Triton fused RoPE + cache kernel (the only
+    aiter op the draft layer calls once the dual RMSNorm is off) doubled."""
+    fused = FusedRopeAndCache()
+    module = type(sys)("aiter.ops.triton.fused_kv_cache")
+    module.fused_qk_rope_cat_and_cache_mla = fused
+    for name in ("aiter", "aiter.ops", "aiter.ops.triton"):
+        monkeypatch.setitem(sys.modules, name, type(sys)(name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", lambda: True)
+    return fused
+
+
+def _without_aiter_rms_norm(draft):
+    # The dual RMSNorm is an aiter custom op, registered only with aiter
+    # installed; the norms are not what these tests check.
+    for layer in draft.model.layers:
+        layer.self_attn._use_eager_qk_rmsnorm_fusion = False
+    return draft
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "aiter", "fused"),
+    [
+        ("auto", True, True),
+        ("fp8", True, True),
+        ("fp8_e4m3", True, True),
+        # ROCm's concat_and_cache_mla writes no fp8_e5m2: nothing to match.
+        ("fp8_e5m2", True, False),
+        ("auto", False, False),
+        ("fp8", False, False),
+    ],
+)
+def test_k3_dspark_rocm_fused_rope_cache_with_aiter_only(
+    cache_dtype, aiter, fused, build_draft, monkeypatch
+):
+    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", lambda: aiter)
+    draft = build_draft(cache_dtype=cache_dtype, post_process=False)
+    for layer in draft.model.layers:
+        assert isinstance(layer.self_attn, amd_dspark_mla.K3DSparkMLAAttention)
+        assert layer.self_attn._fused_rope_cache is fused
+        # The target's identity-RoPE fused decode stays out of reach.
+        assert layer.self_attn._fused_qk_prep is False
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_k3_dspark_rocm_aiter_rope_and_cache_write_are_one_launch(
+    cache_dtype, build_draft, kernels, mqa_calls, aiter_on
+):
+    """With AITER on, a decode block's RoPE and KV-cache write are one aiter
+    launch: on the fp32 table the unfused path reads, the layer's positions,
+    slots, cache and scale; the decode kernel gets the q it wrote."""
+    draft = _without_aiter_rms_norm(
+        build_draft(cache_dtype=cache_dtype, rope_parameters=dict(YARN))
+    )
+    positions = torch.tensor([0, 5000, 100000])
+    for layer in draft.model.layers:
+        _decode(draft, layer.self_attn, positions, torch.randn(3, 32).bfloat16())
+
+    assert kernels.rope_launches == kernels.cache_writes == []
+    assert len(aiter_on.calls) == len(mqa_calls) == len(draft.model.layers)
+    for call, (_, q_pe), layer in zip(aiter_on.calls, mqa_calls, draft.model.layers):
+        attn = layer.self_attn
+        table = attn.rotary_emb.cos_sin_cache
+        assert table.dtype == torch.float32
+        assert call["cos"].data_ptr() == table.data_ptr()
+        assert call["sin"].data_ptr() == table[:, 4:].data_ptr()
+        assert call["pos"].tolist() == positions.tolist()
+        assert call["is_neox"] is False
+        assert call["slot_mapping"].tolist() == [0, 1, 2]
+        assert call["kv_cache"].data_ptr() == attn.mla_attn.kv_cache.data_ptr()
+        fp8 = cache_dtype == "fp8"
+        assert call["kv_cache"].dtype == (
+            current_platform.fp8_dtype() if fp8 else torch.bfloat16
+        )
+        assert call["k_scale"] is attn.mla_attn._k_scale
+        assert call["apply_scale"] is fp8
+        assert torch.equal(q_pe, call["q_out"][..., 8:])
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_k3_dspark_rocm_aiter_fused_rope_cache_matches_unfused(
+    cache_dtype, build_draft, mqa_calls, aiter_on, monkeypatch
+):
+    """The fused path hands the decode kernel the query, and writes the cache,
+    of RoPE then concat_and_cache_mla: a 16-bit cache bit for bit; an fp8 one
+    within one fp8 step (the fused kernel rounds the rotated k_pe once, the
+    unfused path to bf16 first)."""
+    unfused = TorchRopeAndCache()
+    monkeypatch.setattr(ops, "rotary_embedding", unfused.rotary_embedding)
+    monkeypatch.setattr(ops, "concat_and_cache_mla", unfused.concat_and_cache_mla)
+    draft = _without_aiter_rms_norm(
+        build_draft(cache_dtype=cache_dtype, rope_parameters=dict(YARN))
+    )
+    attn = draft.model.layers[0].self_attn
+    # A calibrated scale (the unfused write skips a scale of 1.0).
+    attn.mla_attn._k_scale.fill_(0.5)
+    attn.mla_attn._k_scale_float = 0.5
+    positions = torch.tensor([7, 4096, 131071])
+    hidden_states = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+
+    caches, queries = [], []
+    for fused in (True, False):
+        attn._fused_rope_cache = fused
+        attn.mla_attn.kv_cache.zero_()
+        _decode(draft, attn, positions, hidden_states.bfloat16())
+        caches.append(attn.mla_attn.kv_cache.clone())
+        queries.append(mqa_calls.pop()[1])
+    assert len(aiter_on.calls) == 1
+
+    assert torch.equal(queries[0], queries[1])
+    if cache_dtype == "auto":
+        assert torch.equal(caches[0], caches[1])
+    else:
+        fp8 = current_platform.fp8_dtype()
+        fused_rows, unfused_rows = (c.view(fp8).float() for c in caches)
+        assert torch.equal(fused_rows[..., :16], unfused_rows[..., :16])
+        torch.testing.assert_close(fused_rows, unfused_rows, rtol=2**-3, atol=0)
+    assert caches[0].count_nonzero() > 0
+
+
+def test_k3_dspark_rocm_aiter_fused_rope_cache_falls_back(
+    build_draft, kernels, mqa_calls, aiter_on
+):
+    """Outside a decode-only batch with slots the layer runs the unfused
+    path."""
+    draft = _without_aiter_rms_norm(build_draft())
+    attn = draft.model.layers[0].self_attn
+    name = attn.mla_attn.layer_name
+    positions = torch.tensor([3, 4])
+    hidden_states = torch.randn(2, 32, dtype=torch.bfloat16)
+
+    # A profile or dummy run: no metadata.
+    with set_forward_context(None, draft.vllm_config, slot_mapping={name: None}):
+        attn(positions=positions, hidden_states=hidden_states)
+    assert aiter_on.calls == [] and len(kernels.rope_launches) == 1
+
+    _decode(draft, attn, positions, hidden_states)
+    assert len(aiter_on.calls) == 1 and len(kernels.rope_launches) == 1
+
+    # A batch with prefill tokens, or without slots.
+    for metadata, slots in (
+        _block_metadata(2, num_decode_tokens=1),
+        (_block_metadata(2)[0], None),
+    ):
+        with set_forward_context(
+            {name: metadata}, draft.vllm_config, slot_mapping={name: slots}
+        ):
+            assert attn._fused_rope_cache_context() is None
 
 
 def test_k3_dspark_rocm_kv_cache_spec_groups_with_target_mla(build_draft):
