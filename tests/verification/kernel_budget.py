@@ -99,6 +99,9 @@ ROCM = "rocm-gfx942"
 # aiter's FP8 batched GEMM (vLLM's rocm_aiter_ops.triton_fp8_bmm), as counted.
 AITER_FP8_BMM = "triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel"
 
+# aiter's Triton QK RoPE + concat + MLA cache write, as counted.
+AITER_ROPE_AND_CACHE = "triton::_fused_qk_rope_cat_and_cache_mla_kernel"
+
 # Why the AMD module launches more than the baseline, by cause ...
 EXTRA_CAUSES = {
     "rope": "the RoPE of q_pe and k_pe is one launch of vLLM's in-place rotary "
@@ -113,6 +116,10 @@ EXTRA_CAUSES = {
     "cache write": "the KV-cache write is a launch of its own (MLAAttention: "
     "concat_and_cache_mla); the baseline's fused decode epilogue writes the "
     "cache together with the query concat and both RoPEs",
+    "rope and cache write": "with AITER on, the RoPE of q_pe and k_pe and the "
+    "KV-cache write are one launch of aiter's Triton "
+    "fused_qk_rope_cat_and_cache_mla (the AITER rows); the baseline's fused "
+    "decode epilogue does both together with the query concat",
     "vllm kernels": "in vLLM's default (compiled) config the draft runs vLLM's "
     "kernels (draft_compilation_config, draft_ir_op_priority) where the "
     "baseline runs each op's native PyTorch form, op by op: one kernel "
@@ -126,6 +133,7 @@ ALLOWED_EXTRA: dict[str, tuple[str, ...]] = {
     "_C::rms_norm": ("q/kv norms", "vllm kernels"),
     "aiter::_fused_qk_rmsnorm": ("q/kv norms",),
     AITER_FP8_BMM: ("aiter bmm",),
+    AITER_ROPE_AND_CACHE: ("rope and cache write",),
     "_C::fused_add_rms_norm": ("vllm kernels",),
     "_C::silu_and_mul": ("vllm kernels",),
 }

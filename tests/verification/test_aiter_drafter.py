@@ -36,6 +36,7 @@ ones: positions after a disagreement are not compared).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +44,7 @@ import pytest
 import torch
 
 from tests.verification.harness import aiter_drafter as R
+from tests.verification.harness import drafter as D
 from tests.verification.harness.zygote import Zygote
 
 FP8 = "torch.float8_e4m3fnuz"
@@ -244,12 +246,28 @@ def test_absorb_launches_aiters_fp8_bmm(regime, rocm, record_property):
 
 
 def numerics_job(cache: str) -> dict:
+    """A draft step; with AITER on, the same step again with the RoPE and the
+    cache write unfused (``ops.rotary_embedding``, then
+    ``concat_and_cache_mla``) from the same caches, and both steps' caches."""
     from tests.verification.harness import interpreter
 
     start = time.perf_counter()
     R.CALLS.clear()  # the worker runs one job per cache dtype
     draft, precompile = R.build_draft(cache, interpreted=True)
-    out = R.draft_step(draft)
+    fused_flags = [bool(layer.self_attn._fused_rope_cache) for layer in draft.layers]
+    initial = [c.clone() for c in draft.caches]
+    with _counting_fused_rope_cache() as fused_calls:
+        out = R.draft_step(draft)
+    out["fused_rope_cache"] = fused_flags
+    out["fused_rope_cache_calls"] = len(fused_calls)
+    if any(fused_flags):
+        out["caches"] = [c.clone() for c in draft.caches]
+        for cache_now, cache_before in zip(draft.caches, initial, strict=True):
+            cache_now.copy_(cache_before)
+        for layer in draft.layers:
+            layer.self_attn._fused_rope_cache = False
+        out["unfused"] = R.draft_step(draft)
+        out["unfused"]["caches"] = [c.clone() for c in draft.caches]
     out["fp8bmm"] = [
         bool(o.is_aiter_triton_fp8_bmm_enabled) for o in draft.cache_layers()
     ]
@@ -257,6 +275,29 @@ def numerics_job(cache: str) -> dict:
     out["seconds"] = time.perf_counter() - start
     out["interpreted"] = interpreter.INTERPRETER_ENV["TRITON_INTERPRET"]
     return out
+
+
+@contextlib.contextmanager
+def _counting_fused_rope_cache():
+    """The calls of aiter's fused RoPE + cache kernel (the real one, run in
+    the interpreter), where the drafter imports it; nothing without aiter."""
+    calls: list = []
+    try:
+        import aiter.ops.triton.fused_kv_cache as module
+    except ImportError:  # the AITER-off world
+        yield calls
+        return
+    real = module.fused_qk_rope_cat_and_cache_mla
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    module.fused_qk_rope_cat_and_cache_mla = counting
+    try:
+        yield calls
+    finally:
+        module.fused_qk_rope_cat_and_cache_mla = real
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +361,64 @@ def test_draft_logits_and_tokens_agree_with_aiter_off(numerics, cache, record_pr
         f"measure:{cache} greedy tokens on/off; steps decided, agreeing; margins; deviations",
         f"{on['tokens']}/{off['tokens']}; {decided}, {agree} of {len(prevs)}; {margins}; {deviations}",
     )
+
+
+# --- 5. RoPE and the cache write in one aiter launch -------------------------------
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_fused_rope_and_cache_write_match_the_unfused_path(
+    numerics, cache, record_property
+):
+    """With AITER on, each draft layer rotates q_pe and k_pe and writes its
+    cache rows in one launch of aiter's Triton fused_qk_rope_cat_and_cache_mla
+    (run here in Triton's interpreter, bf16 casts rounded as compiled), and
+    that equals RoPE then concat_and_cache_mla on the same step; AITER off
+    never takes it.
+
+    bf16 cache: both paths rotate in fp32 from the same fp32 table and round
+    once, so the caches, the hidden state and the logits are bit-identical.
+    fp8 cache: the fused kernel rounds the rotated k_pe once to fp8, the
+    unfused path twice (bf16, then fp8), so rope elements may be one e4m3
+    step apart; the first layer's nope part is the same rounding of the same
+    value (equal). Later layers read the attention of those steps: each
+    cache, the hidden state and the logits stay within a relative error of
+    2**-4, the bound of the fp8 absorb above."""
+    on, off = numerics["on"][cache], numerics["off"][cache]
+    assert on["fused_rope_cache"] == [True] * R.NUM_LAYERS
+    assert on["fused_rope_cache_calls"] == R.NUM_LAYERS
+    assert off["fused_rope_cache"] == [False] * R.NUM_LAYERS
+    assert off["fused_rope_cache_calls"] == 0 and "unfused" not in off
+    unfused = on["unfused"]
+    hidden_error = _relative(on["hidden"], unfused["hidden"])
+    logits_error = _relative(on["base_logits"], unfused["base_logits"])
+    differing = [
+        int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+        for a, b in zip(on["caches"], unfused["caches"], strict=True)
+    ]
+    record_property(f"measure:{cache} fused/unfused cache bytes differing", differing)
+    record_property(
+        f"measure:{cache} fused/unfused hidden, logits relative error",
+        f"{hidden_error:.2e}, {logits_error:.2e}",
+    )
+    if cache == "auto":
+        for fused_cache, unfused_cache in zip(on["caches"], unfused["caches"]):
+            assert torch.equal(fused_cache, unfused_cache)
+        assert torch.equal(on["hidden"], unfused["hidden"])
+        assert torch.equal(on["base_logits"], unfused["base_logits"])
+        return
+    rank = D.DIMS["kv_lora_rank"]
+    fused_caches, unfused_caches = (
+        [c.view(torch.float8_e4m3fnuz).float() for c in caches]
+        for caches in (on["caches"], unfused["caches"])
+    )
+    first, first_unfused = fused_caches[0], unfused_caches[0]
+    assert torch.equal(first[..., :rank], first_unfused[..., :rank])
+    # One step: 2**-3 of the value, 2**-10 (e4m3fnuz's subnormal step) near 0.
+    torch.testing.assert_close(first, first_unfused, rtol=2.0**-3, atol=2.0**-10)
+    for fused_cache, unfused_cache in zip(fused_caches, unfused_caches):
+        assert _relative(fused_cache, unfused_cache) <= 2.0**-4
+    assert hidden_error <= 2.0**-4 and logits_error <= 2.0**-4
 
 
 # --- 4. the draft layers' share of the load-time pre-compilation --------------------

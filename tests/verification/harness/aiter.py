@@ -277,11 +277,33 @@ def bf16_arithmetic() -> None:
     interpreter.InterpreterBuilder.create_fneg = fneg_sign_bit
 
 
+def rounded_bf16_casts() -> None:
+    """fp32 -> bf16 casts round to nearest even, as compiled Triton's do
+    (``fp_downcast_rounding`` defaults to RTNE); the interpreter's cast_impl
+    truncates. Without it aiter's fused RoPE + cache kernel is one bf16 step
+    off vLLM's rotary kernel in about half the rotated elements."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    tl = interpreter.tl
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_rounding_to_bf16(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast_impl(self, src, dst_type)
+        values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+        rounded = values.to(torch.bfloat16).view(torch.uint16).numpy()
+        return interpreter.TensorHandle(rounded, tl.bfloat16)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_rounding_to_bf16
+
+
 INTERPRETER_WORKAROUNDS = (
     assume_as_hint,
     exact_fp8_casts,
     tensor_math_methods,
     bf16_arithmetic,
+    rounded_bf16_casts,
 )
 
 
