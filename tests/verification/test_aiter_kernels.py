@@ -10,9 +10,10 @@ v_head_dim 128), 8 and 64 heads, a few tokens.
 
 Tolerances. Each kernel is checked against a torch model of the same
 arithmetic (same quantization, fp32 accumulation), so what is left is the
-output rounding: the interpreter truncates fp32 -> bf16 (compiled Triton
-rounds to nearest), at most one bf16 ulp, 2**-7 of the value; plus fp32
-summation order, far below that. The quantization error itself is bounded
+output rounding, at most one bf16 ulp (2**-7 of the value) where the torch
+model rounds at another point than the kernel, plus fp32 summation order, far
+below that. (The workers round fp32 -> bf16 casts to nearest, as compiled
+Triton does: ``rounded_bf16_casts``.) The quantization error itself is bounded
 separately against the unquantized bf16 product, as a relative Frobenius
 error: e4m3 keeps 3 mantissa bits (relative rounding error at most 2**-4 per
 operand, about 0.036 RMS for the product), bound 2**-4; e2m1 keeps one

@@ -26,7 +26,7 @@ before vLLM is imported (``platform.activate(mode, aiter=...)``):
 
 The stand-in lives here, in the test harness, never in vLLM's tree.
 
-Triton's interpreter (3.8) differs from compiled Triton in four ways that
+Triton's interpreter (3.8) differs from compiled Triton in five ways that
 aiter's kernels reach; ``INTERPRETER_WORKAROUNDS`` fixes them in the worker
 processes that run the kernels:
 
@@ -47,6 +47,10 @@ processes that run the kernels:
   (aiter's RoPE rotation negates a bf16 tensor: ``-x``). Elementwise bf16
   arithmetic runs in fp32 and rounds to nearest even, as the GPU does;
   negation flips the sign bit.
+- ``rounded_bf16_casts``: the interpreter's fp32 -> bf16 cast truncates;
+  compiled Triton rounds to nearest even (its default downcast rounding), as
+  vLLM's kernels do. aiter's fused RoPE + cache kernel casts its fp32
+  rotation this way, and is bit-identical to vLLM's rotary kernel only with it.
 """
 
 from __future__ import annotations
