@@ -253,14 +253,13 @@ def profile(rb: Runbook) -> None:
     drafts = bench["spec_decode_num_drafts"]
     traces = sorted(rb.out.glob("profile/trace/**/*.pt.trace.json*"))
     env = rb.config.serve_env
-    bmm = env.get("VLLM_ROCM_USE_AITER") == "1" and any(
-        env.get(f"VLLM_ROCM_USE_AITER_{k}BMM") == "1" for k in ("FP8", "FP4"))
+    flags = checks.AiterFlags.from_env(env)
     per_rank = {}
     for path in traces:
         trace = parse.chrome_trace(path)
         if trace.kernels:  # the frontend's CPU-only trace has none
             per_rank[rb.rel(path)] = checks.check_trace(
-                trace, int(drafts) if drafts is not None else None, bmm)
+                trace, int(drafts) if drafts is not None else None, flags)
     if not per_rank:
         raise StepError("profile: no trace with GPU kernels under profile/trace/; see "
                         "logs/k3-runbook-b-profile.log")
@@ -271,7 +270,7 @@ def profile(rb: Runbook) -> None:
                                      for f, vs in per_rank.items())}
                 for i, name in enumerate(names)]
     ok = all(v["ok"] for v in verdicts)
-    rb.write_json("profile/summary.json", {"ok": ok, "drafts": drafts, "aiter_bmm": bmm,
+    rb.write_json("profile/summary.json", {"ok": ok, "drafts": drafts, "aiter_bmm": flags.bmm,
                                            "traces": list(per_rank), "checks": verdicts})
     if not ok:
         failed = next(v for v in verdicts if not v["ok"])

@@ -122,8 +122,13 @@ def test_a_trace_that_is_not_one_is_named(tmp_path):
         parse.chrome_trace(tmp_path / "x.pt.trace.json")
 
 
-def _verdicts(trace, drafts=4, bmm=True):
-    return {v.name: v for v in checks.check_trace(trace, drafts, bmm)}
+# The runbook's serve environment: AITER and its FP8 BMM on, AITER MLA on (default).
+AITER_FP8BMM = checks.AiterFlags(on=True, bmm=True, mla=True)
+AITER_OFF = checks.AiterFlags(on=False, bmm=False, mla=False)
+
+
+def _verdicts(trace, drafts=4, flags=AITER_FP8BMM):
+    return {v.name: v for v in checks.check_trace(trace, drafts, flags)}
 
 
 def test_the_decode_step_sample_meets_every_expectation():
@@ -171,9 +176,35 @@ def test_grouped_launches_must_match_the_draft_steps():
 def test_aiter_bmm_is_not_required_when_its_flags_are_off():
     names = _names(decode_trace(2))
     names["kernels"] = [k for k in names["kernels"] if "a8w8" not in k]
-    verdict = _verdicts(parse.Trace(**names), drafts=2, bmm=False)[
+    flags = checks.AiterFlags(on=True, bmm=False, mla=True)
+    verdict = _verdicts(parse.Trace(**names), drafts=2, flags=flags)[
         "AITER FP8/FP4 BMM for the absorb"]
     assert verdict.ok and verdict.detail.startswith("not checked")
+
+
+def test_the_draft_kv_write_follows_the_aiter_switch():
+    """AITER on: the draft's RoPE and KV write are aiter's fused Triton launch
+    (a trace without it fails); AITER off: vLLM's concat_and_cache_mla."""
+    names = _names(decode_trace(2))
+    fused, plain = "AITER fused RoPE + draft KV write", "draft KV write through concat_and_cache_mla"
+    assert _verdicts(parse.Trace(**names), drafts=2)[fused].ok
+    unfused = dict(names, kernels=[
+        "void vllm::concat_and_cache_mla_kernel<__hip_bfloat16>(...)" if "rope_cat" in k else k
+        for k in names["kernels"]])
+    on = _verdicts(parse.Trace(**unfused), drafts=2)
+    assert not on[fused].ok and on[plain].detail.startswith("not checked")
+    off = _verdicts(parse.Trace(**unfused), drafts=2, flags=AITER_OFF)
+    assert off[plain].ok and off[fused].detail.startswith("not checked")
+    assert not _verdicts(parse.Trace(**names), drafts=2, flags=AITER_OFF)[plain].ok
+
+
+def test_the_identity_rope_fused_decode_is_checked_only_with_aiter_mla_off():
+    names = _names(decode_trace(2))
+    names["kernels"] += ["fused_qk_rope_concat_and_cache_mla_kernel<...>"]
+    check = "no identity-RoPE fused decode (HIP)"
+    assert _verdicts(parse.Trace(**names), drafts=2)[check].detail.startswith("not checked")
+    flags = checks.AiterFlags(on=True, bmm=True, mla=False)
+    assert not _verdicts(parse.Trace(**names), drafts=2, flags=flags)[check].ok
 
 
 @pytest.mark.parametrize("text, rows", [
