@@ -14,6 +14,7 @@ the AITER fused decode. The ROCm kernels themselves are checked in
 import json
 import math
 import sys
+import types
 
 import pytest
 import torch
@@ -597,10 +598,10 @@ def aiter_on(monkeypatch) -> FusedRopeAndCache:
     """AITER switched on, and its Triton fused RoPE + cache kernel (the only
     aiter op the draft layer calls once the dual RMSNorm is off) doubled."""
     fused = FusedRopeAndCache()
-    module = type(sys)("aiter.ops.triton.fused_kv_cache")
-    module.fused_qk_rope_cat_and_cache_mla = fused
+    module = types.ModuleType("aiter.ops.triton.fused_kv_cache")
+    vars(module)["fused_qk_rope_cat_and_cache_mla"] = fused
     for name in ("aiter", "aiter.ops", "aiter.ops.triton"):
-        monkeypatch.setitem(sys.modules, name, type(sys)(name))
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(rocm_aiter_ops, "is_enabled", lambda: True)
     return fused

@@ -156,6 +156,7 @@ class K3DSparkMLAAttention(KimiK3MultiHeadLatentAttentionWrapper):
             )
         attn_metadata, kv_cache, slot_mapping = context
         # The projections of the base forward's q-LoRA branch.
+        assert self.fused_qkv_a_proj is not None and self.q_b_proj is not None
         qkv_lora = self.fused_qkv_a_proj(hidden_states)[0]
         q_c, kv_lora = qkv_lora.split(
             [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
@@ -205,14 +206,15 @@ class K3DSparkMLAAttention(KimiK3MultiHeadLatentAttentionWrapper):
         once, as ops.rotary_embedding does."""
         from aiter.ops.triton.fused_kv_cache import fused_qk_rope_cat_and_cache_mla
 
-        attn = self.mla_attn
+        attn, rope = self.mla_attn, self.rotary_emb
+        assert isinstance(rope, K3DSparkRotaryEmbedding)
         nope = self.qk_nope_head_dim
         quantized = is_quantized_kv_cache(attn.kv_cache_dtype)
         # One row per slot; an fp8 cache is stored as bytes.
         cache = kv_cache.view(-1, 1, kv_cache.shape[-1])
         if quantized:
             cache = cache.view(current_platform.fp8_dtype())
-        cos, sin = self.rotary_emb.cos_sin_cache.chunk(2, dim=-1)
+        cos, sin = rope.cos_sin_cache.chunk(2, dim=-1)
         q_out, _, k_pe_out, _ = fused_qk_rope_cat_and_cache_mla(
             q[:num_tokens, :, :nope],
             q[:num_tokens, :, nope:],
@@ -224,7 +226,7 @@ class K3DSparkMLAAttention(KimiK3MultiHeadLatentAttentionWrapper):
             cos,
             sin,
             attn._k_scale,
-            self.rotary_emb.is_neox_style,
+            rope.is_neox_style,
             # ROCm's 16-bit cache write ignores the scale.
             apply_scale=quantized,
             q_out=q.new_empty((num_tokens, self.num_heads, self.qk_head_dim)),
