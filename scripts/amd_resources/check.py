@@ -24,7 +24,8 @@ from scripts.amd_resources.targets import Arch
 def production_resources(tree: Path, arch: Arch, jobs: int = 1) -> list[Resources]:
     with rocm_modules(tree, arch) as load:
         launches = (shapes.attention_launches(load, tree, arch) + shapes.sampler_launches(load)
-                    + shapes.v1_sampler_launches(tree) + shapes.aiter_fp8_bmm_launches(arch))
+                    + shapes.v1_sampler_launches(tree) + shapes.aiter_fp8_bmm_launches(arch)
+                    + shapes.aiter_fused_rope_launches(arch))
         return compile_all(launches, arch, jobs)
 
 
@@ -77,7 +78,7 @@ def report(results: dict[str, list[Resources]], failures: list[str], markdown: b
              "AMD backend, compiled on CPU; python -m scripts.amd_resources):",
              render(HEADERS, summary_rows(everything), markdown), ""]
     lines += [f"note: {line}" for line in notes(everything)]
-    # The flat path is 0.33.0's and the aiter path aiter's: what they break is
+    # The flat path is 0.33.0's and the aiter paths aiter's: what they break is
     # shown, never a failure of the stack.
     lines += reference_findings(everything)
     if failures:
