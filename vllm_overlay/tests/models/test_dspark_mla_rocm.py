@@ -718,8 +718,8 @@ def test_k3_dspark_rocm_aiter_fused_rope_cache_matches_unfused(
 def test_k3_dspark_rocm_aiter_fused_rope_cache_falls_back(
     build_draft, kernels, mqa_calls, aiter_on
 ):
-    """Outside a decode-only batch with slots the layer runs the unfused
-    path."""
+    """Outside a decode-only batch with slots and a cache of one slot stride
+    the layer runs the unfused path."""
     draft = _without_aiter_rms_norm(build_draft())
     attn = draft.model.layers[0].self_attn
     name = attn.mla_attn.layer_name
@@ -743,6 +743,23 @@ def test_k3_dspark_rocm_aiter_fused_rope_cache_falls_back(
             {name: metadata}, draft.vllm_config, slot_mapping={name: slots}
         ):
             assert attn._fused_rope_cache_context() is None
+
+    # A cache whose pages are not one slot stride apart (a view with gaps
+    # between pages): the kernel indexes slots with a single stride.
+    cache = attn.mla_attn.kv_cache
+    attn.mla_attn.kv_cache = torch.zeros(
+        cache.shape[0], 2 * cache.shape[1], cache.shape[2], dtype=cache.dtype
+    )[:, : cache.shape[1]]
+    metadata, slots = _block_metadata(2)
+    with set_forward_context(
+        {name: metadata}, draft.vllm_config, slot_mapping={name: slots}
+    ):
+        assert attn._fused_rope_cache_context() is None
+    attn.mla_attn.kv_cache = cache
+    with set_forward_context(
+        {name: metadata}, draft.vllm_config, slot_mapping={name: slots}
+    ):
+        assert attn._fused_rope_cache_context() is not None
 
 
 def test_k3_dspark_rocm_kv_cache_spec_groups_with_target_mla(build_draft):
