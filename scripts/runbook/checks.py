@@ -14,17 +14,28 @@ from scripts.runbook.parse import Accuracy, Trace
 
 @dataclass(frozen=True)
 class AiterFlags:
-    """What the served environment turns on: AITER, its FP8/FP4 BMM, its MLA
-    decode (vLLM's VLLM_ROCM_USE_AITER_MLA defaults to on)."""
+    """What a served environment turns on, as vLLM 0.33.0 reads it: AITER, the
+    absorb's FP8 BMM, its FP4 BMM (gfx950 only, and taking precedence over FP8),
+    the target's AITER MLA decode (VLLM_ROCM_USE_AITER_MLA defaults to on)."""
     on: bool
-    bmm: bool
+    fp8bmm: bool
+    fp4bmm: bool
     mla: bool
 
     @classmethod
-    def from_env(cls, env: dict[str, str]) -> AiterFlags:
-        on = env.get("VLLM_ROCM_USE_AITER") == "1"
-        bmm = any(env.get(f"VLLM_ROCM_USE_AITER_{k}BMM") == "1" for k in ("FP8", "FP4"))
-        return cls(on, on and bmm, on and env.get("VLLM_ROCM_USE_AITER_MLA", "1") == "1")
+    def from_env(cls, env: dict[str, str], gcn_arch: str) -> AiterFlags:
+        on = env.get("VLLM_ROCM_USE_AITER", "").lower() in ("1", "true")
+
+        def flag(name: str, default: str = "0") -> bool:
+            return on and env.get(f"VLLM_ROCM_USE_AITER_{name}", default).lower() in (
+                "1", "true")
+
+        fp4 = flag("FP4BMM") and gcn_arch.startswith("gfx950")
+        return cls(on, flag("FP8BMM") and not fp4, fp4, flag("MLA", "1"))
+
+    @property
+    def bmm(self) -> bool:
+        return self.fp8bmm or self.fp4bmm
 
 
 @dataclass(frozen=True)
@@ -39,11 +50,21 @@ class Expectation:
     skip: str = ""
 
 
+# aiter's Triton BMM kernels of vLLM's MLA absorb (`rocm_aiter_ops.triton_fp8_bmm`,
+# `batched_gemm_a16wfp4`).
+_FP8_BMM = r"batched_gemm_a8w8"
+_FP4_BMM = r"batched_gemm_a16wfp4|batched_gemm_afp4"
+
 EXPECTATIONS = (
-    Expectation("AITER FP8/FP4 BMM for the absorb", "kernels",
-                r"batched_gemm_a8w8|batched_gemm_afp4", "present",
-                "with VLLM_ROCM_USE_AITER_FP8BMM/FP4BMM on, the absorb uses AITER's BMM",
-                lambda flags: flags.bmm, "AITER BMM flags off"),
+    Expectation("AITER FP8 BMM for the absorb", "kernels", _FP8_BMM, "present",
+                "with VLLM_ROCM_USE_AITER_FP8BMM on, the absorb is aiter's Triton FP8 BMM",
+                lambda flags: flags.fp8bmm, "FP8 BMM off"),
+    Expectation("AITER FP4 BMM for the absorb", "kernels", _FP4_BMM, "present",
+                "with VLLM_ROCM_USE_AITER_FP4BMM on (gfx950), the absorb is aiter's Triton "
+                "FP4 BMM", lambda flags: flags.fp4bmm, "FP4 BMM off, or not gfx950"),
+    Expectation("no AITER BMM with its flags off", "kernels", f"{_FP8_BMM}|{_FP4_BMM}",
+                "absent", "with the BMM flags off, the absorb is torch's bmm",
+                lambda flags: not flags.bmm, "an AITER BMM flag is on"),
     Expectation("AITER fused RoPE + draft KV write", "kernels",
                 r"_fused_qk_rope_cat_and_cache_mla_kernel", "present",
                 "with AITER on, each draft layer's RoPE and KV-cache write are one "
@@ -100,6 +121,34 @@ def check_trace(trace: Trace, drafts: int | None, flags: AiterFlags) -> list[Ver
                                     f"{count} launch(es) for {drafts} draft step(s) "
                                     f"(expected {low}..{high})"))
     return verdicts
+
+
+# What the report lists for the steps the flags switch: every kernel (or CPU
+# op) name the trace has for each, target and draft layers alike (one trace
+# holds both), with its count.
+ROLES = (
+    ("absorb", "kernels", f"{_FP8_BMM}|{_FP4_BMM}"),
+    ("absorb", "cpu_ops", r"^aten::(bmm|matmul)$"),
+    ("RoPE", "kernels", r"(?i)rotary_embedding|rope"),
+    ("KV-cache write", "kernels", r"concat_and_cache_mla|cat_and_cache_mla|reshape_and_cache"),
+)
+
+
+def kernels_by_role(trace: Trace) -> dict[str, dict[str, int]]:
+    """{role: {short name: launches}}; a CPU op's name keeps its `aten::`."""
+    seen: dict[str, dict[str, int]] = {role: {} for role, _, _ in ROLES}
+    for role, where, pattern in ROLES:
+        for name in getattr(trace, where):
+            if re.search(pattern, name):
+                short = _short_name(name)
+                seen[role][short] = seen[role].get(short, 0) + 1
+    return seen
+
+
+def _short_name(name: str) -> str:
+    """A kernel's name without its return type, namespace noise and arguments."""
+    name = re.sub(r"^void ", "", name).split("(")[0].split("<")[0]
+    return name.rsplit("::", 1)[-1] if not name.startswith("aten::") else name
 
 
 # --- accuracy gate: docs/hardware-runbook.md, step 3 ---------------------------

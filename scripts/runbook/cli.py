@@ -10,7 +10,7 @@ from pathlib import Path
 
 from scripts.common import Layout
 from scripts.runbook import steps
-from scripts.runbook.config import MACHINES, Config
+from scripts.runbook.config import AITER_SWITCHES, MACHINES, REGIMES, SWEEP_REGIME, Config
 from scripts.runbook.executor import Executor, SubprocessExecutor
 from scripts.runbook.parse import ResultError
 
@@ -40,8 +40,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", default=",".join(steps.NAMES),
                    help=f"comma-separated subset of {','.join(steps.NAMES)}")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="server environment, added to (or replacing in) "
-                   + " ".join(f"{k}={v}" for k, v in defaults.serve_env.items()))
+                   help="more environment for every server (the AITER switches "
+                        f"{', '.join(AITER_SWITCHES)} come from --regimes)")
+    p.add_argument("--regimes", default=None,
+                   help="AITER regimes of the profile and accuracy steps, comma-separated, "
+                        f"from {','.join(REGIMES)} (default: every one the machine honours; "
+                        f"{SWEEP_REGIME}, which the tests, A/B and the sweep use, always)")
     p.add_argument("--serve-args", default="",
                    help="more `vllm serve` options for every server, e.g. "
                         "'--kv-cache-dtype fp8 --max-model-len 32768'")
@@ -103,6 +107,19 @@ def _words(text: str, option: str) -> tuple[str, ...]:
         raise SystemExit(f"runbook: {option} {text!r}: {e} (quote as a shell would)")
 
 
+def _regimes(text: str | None, gcn_arch: str) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(r.strip() for r in text.split(",") if r.strip())
+    if unknown := [r for r in names if r not in REGIMES]:
+        raise SystemExit(f"runbook: --regimes: unknown regime(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(REGIMES)}")
+    if unfit := [r for r in names if gcn_arch not in REGIMES[r].archs]:
+        raise SystemExit(f"runbook: --regimes: {', '.join(unfit)} needs "
+                         f"{' or '.join(REGIMES[unfit[0]].archs)}; this machine is {gcn_arch}")
+    return names
+
+
 def config_from(layout: Layout, args: argparse.Namespace) -> Config:
     machine = MACHINES[args.machine]
     _positive(args.port, "--port", 65535)
@@ -114,12 +131,16 @@ def config_from(layout: Layout, args: argparse.Namespace) -> Config:
     if unknown := [s for s in chosen if s not in known]:
         raise SystemExit(f"runbook: unknown step(s) {', '.join(unknown)}; "
                          f"known: {', '.join(known)}")
-    env = dict(Config(machine, Path(), Path()).serve_env)
+    env = {}
     for item in args.env:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"runbook: --env {item!r}: expected KEY=VALUE")
+        if key in AITER_SWITCHES:
+            raise SystemExit(f"runbook: --env {item!r}: the AITER switches are set per "
+                             f"regime; choose regimes with --regimes ({','.join(REGIMES)})")
         env[key] = value
+    regimes = _regimes(args.regimes, machine.gcn_arch)
     out = _folder(args.out or layout.build_dir / f"runbook-{machine.name}", "--out")
     return Config(
         machine=machine, out_dir=out, project_root=layout.root.resolve(),
@@ -127,6 +148,7 @@ def config_from(layout: Layout, args: argparse.Namespace) -> Config:
         test_image=args.test_image,
         model=args.model, port=args.port, hf_cache=_folder(args.hf_cache, "--hf-cache"),
         engine=args.engine, steps=tuple(s for s in known if s in chosen), serve_env=env,
+        regimes=regimes,
         serve_args=_words(args.serve_args, "--serve-args"),
         output_lens=_ints(args.output_lens, "--output-lens"),
         concurrencies=_ints(args.concurrencies, "--concurrencies"),
@@ -160,7 +182,8 @@ def run(config: Config, executor: Executor, say=print) -> int:
               "again to resume", file=sys.stderr)
         return 1
     gate = rb.read_json("accuracy/gate.json")
-    if gate and not all(g["passed"] for g in gate["gates"].values()):
+    if gate and not all(g["passed"] for regime in gate["regimes"].values()
+                        for g in regime["gates"].values()):
         print("runbook: an accuracy gate failed; see report/summary.md", file=sys.stderr)
         return 1
     return 0

@@ -17,9 +17,45 @@ SPECULATIVE_CONFIG = {
 }
 TARGET_MODEL = "moonshotai/Kimi-K3"
 
-# What every server of a run gets, A and B alike: AITER on, with the FP8 BMM
-# for the MLA absorb (the profile step checks those kernels are used).
-SERVE_ENV = {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "1"}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One setting of vLLM's AITER switches, served on its own. MI300 users run
+    AITER on, with the FP8 BMM for the MLA absorb; MI355 can take the FP4 BMM
+    instead (vLLM honours VLLM_ROCM_USE_AITER_FP4BMM on gfx950 only)."""
+
+    name: str
+    aiter: bool
+    bmm: str = ""  # the absorb's AITER BMM: "", "fp8" or "fp4"
+    archs: tuple[str, ...] = ("gfx942", "gfx950")  # where vLLM honours it
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Every AITER switch a regime decides, set both ways: one regime's
+        servers never inherit another's."""
+        on = {"VLLM_ROCM_USE_AITER": self.aiter, "VLLM_ROCM_USE_AITER_FP8BMM": self.bmm == "fp8",
+              "VLLM_ROCM_USE_AITER_FP4BMM": self.bmm == "fp4"}
+        return {key: "1" if value else "0" for key, value in on.items()}
+
+    @property
+    def title(self) -> str:
+        if not self.aiter:
+            return "AITER off"
+        return f"AITER on + {self.bmm.upper()} BMM" if self.bmm else "AITER on, BMM flags off"
+
+
+# The flag matrix of the profile and accuracy steps, in the order they run.
+REGIMES = {r.name: r for r in (
+    Regime("aiter-off", aiter=False),
+    Regime("aiter", aiter=True),
+    Regime("aiter-fp8bmm", aiter=True, bmm="fp8"),
+    Regime("aiter-fp4bmm", aiter=True, bmm="fp4", archs=("gfx950",)),
+)}
+# What the device tests, the A/B accuracy gate and the sweep serve: what MI300
+# deployments run (the original request's test plan profiled it "flags on").
+SWEEP_REGIME = "aiter-fp8bmm"
+AITER_SWITCHES = tuple(REGIMES[SWEEP_REGIME].env)  # given per regime, never by --env
 
 
 @dataclass(frozen=True)
@@ -50,7 +86,12 @@ class Config:
     test_image: str | None = None
     model: str = TARGET_MODEL
     speculative_config: dict = field(default_factory=lambda: dict(SPECULATIVE_CONFIG))
-    serve_env: dict = field(default_factory=lambda: dict(SERVE_ENV))
+    # More environment for every server; the AITER switches come from the regime.
+    serve_env: dict = field(default_factory=dict)
+    # The profile and accuracy steps' regimes (None: every one this machine
+    # honours); the sweep's is always among them.
+    regimes: tuple[str, ...] | None = None
+    sweep_regime: str = SWEEP_REGIME
     serve_args: tuple[str, ...] = ()  # more `vllm serve` options, for every server
     port: int = 8000
     hf_cache: Path = Path("~/.cache/huggingface").expanduser()
@@ -93,6 +134,17 @@ class Config:
     @property
     def tests_image(self) -> str:
         return self.test_image or self.candidate_image
+
+    @property
+    def matrix(self) -> tuple[Regime, ...]:
+        """The regimes the profile and accuracy steps serve, in REGIMES' order."""
+        names = set(self.regimes or [r.name for r in REGIMES.values()
+                                     if self.machine.gcn_arch in r.archs])
+        return tuple(r for r in REGIMES.values() if r.name in names | {self.sweep_regime})
+
+    def env(self, regime: str) -> dict[str, str]:
+        """A server's environment under `regime`."""
+        return {**self.serve_env, **REGIMES[regime].env}
 
     def image(self, label: str) -> str:
         if label == "tests":

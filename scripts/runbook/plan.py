@@ -13,7 +13,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
-from scripts.runbook.config import CONFIG_LABELS, Config
+from scripts.runbook.config import CONFIG_LABELS, REGIMES, Config
 from scripts.testrun import vllm_test_files
 
 IN_CONTAINER = "/runbook"  # the results folder, inside every container
@@ -47,6 +47,7 @@ class Server:
     start: list[str]
     port: int
     ready_timeout: float
+    regime: str  # the AITER regime it serves (config.REGIMES)
 
     @property
     def health_url(self) -> str:
@@ -80,9 +81,12 @@ def one_shot(config: Config, image: str, argv: list[str], env: dict | None = Non
             image, *argv[1:]]
 
 
-def server(config: Config, label: str, *, speculative: bool = True,
-           profile_dir: str | None = None) -> Server:
-    container = f"k3-runbook-{label.lower()}" + ("-profile" if profile_dir else "")
+def server(config: Config, label: str, regime: str, *, speculative: bool = True,
+           profile_dir: str | None = None, suffix: bool = True) -> Server:
+    """`label`'s server under the AITER `regime`; its container is named after
+    both (`suffix=False`: after the label alone, as the sweep's are)."""
+    container = f"k3-runbook-{label.lower()}" + (f"-{regime}" if suffix else "") + (
+        "-profile" if profile_dir else "")
     serve = ["vllm", "serve", config.model, "--port", str(config.port),
              "--tensor-parallel-size", str(config.machine.tensor_parallel_size),
              "--trust-remote-code", "--seed", "0", *config.serve_args]
@@ -94,9 +98,10 @@ def server(config: Config, label: str, *, speculative: bool = True,
              "torch_profiler_with_stack": False}, separators=(", ", ": "))]
     image = config.image(label)
     start = [config.engine, "run", "--detach", f"--name={container}", *GPU_FLAGS,
-             *_mounts(config), *_env_flags(config.serve_env), f"--entrypoint={serve[0]}",
+             *_mounts(config), *_env_flags(config.env(regime)), f"--entrypoint={serve[0]}",
              image, *serve[1:]]
-    return Server(label, container, image, start, config.port, config.server_ready_timeout)
+    return Server(label, container, image, start, config.port, config.server_ready_timeout,
+                  regime)
 
 
 def in_server(config: Config, srv: Server, argv: list[str]) -> list[str]:
@@ -159,14 +164,19 @@ def _bench(config: Config, srv: Server, result: str, *, concurrency: int, output
 
 
 def profile(config: Config) -> list[Session]:
-    srv = server(config, "B", profile_dir=f"{IN_CONTAINER}/profile/trace")
-    # One request at concurrency 1: every decode step is one draft step, so
-    # the trace's launches divide by the drafts the result file counts.
-    bench = Command("profile a few decode steps of B", _bench(
-        config, srv, f"{IN_CONTAINER}/profile/bench.json", concurrency=1, output_len=64,
-        num_prompts=1, extra=("--profile",)), config.bench_timeout, "profile",
-        done=("profile/bench.json",))
-    return [Session("2. profile (B)", [bench], srv)]
+    """B's decode steps under the profiler, once per AITER regime."""
+    sessions = []
+    for regime in config.matrix:
+        folder = f"profile/{regime.name}"
+        srv = server(config, "B", regime.name, profile_dir=f"{IN_CONTAINER}/{folder}/trace")
+        # One request at concurrency 1: every decode step is one draft step, so
+        # the trace's launches divide by the drafts the result file counts.
+        bench = Command(f"profile a few decode steps of B, {regime.title}", _bench(
+            config, srv, f"{IN_CONTAINER}/{folder}/bench.json", concurrency=1, output_len=64,
+            num_prompts=1, extra=("--profile",)), config.bench_timeout, "profile",
+            done=(f"{folder}/bench.json",), meta={"regime": regime.name})
+        sessions.append(Session(f"2. profile (B): {regime.title}", [bench], srv))
+    return sessions
 
 
 def lm_eval_client(config: Config, srv: Server, argv: list[str]) -> list[str]:
@@ -182,10 +192,19 @@ def lm_eval_client(config: Config, srv: Server, argv: list[str]) -> list[str]:
             "-c", script, config.lm_eval_requirement, *argv]
 
 
+def accuracy_runs(config: Config) -> list[tuple[str, str]]:
+    """(regime, label) of every gsm8k run, the sweep's regime first: in each
+    regime the target without speculative decoding (the reference) and B; A
+    only in the sweep's regime, whose gate decides what the sweep measures."""
+    regimes = sorted(config.matrix, key=lambda r: r.name != config.sweep_regime)
+    return [(r.name, label) for r in regimes
+            for label in (("ref", "A", "B") if r.name == config.sweep_regime else ("ref", "B"))]
+
+
 def accuracy(config: Config) -> list[Session]:
     sessions = []
-    for label in ("ref", "A", "B"):
-        srv = server(config, label, speculative=label != "ref")
+    for regime, label in accuracy_runs(config):
+        srv = server(config, label, regime, speculative=label != "ref")
         model_args = ",".join([
             f"model={config.model}",
             f"base_url=http://127.0.0.1:{config.port}/v1/completions",
@@ -193,20 +212,23 @@ def accuracy(config: Config) -> list[Session]:
             "tokenized_requests=False", "trust_remote_code=True"])
         argv = ["--model", "local-completions", "--model_args", model_args,
                 "--tasks", "gsm8k", "--num_fewshot", "5", "--seed", "0", "--log_samples",
-                "--output_path", f"{IN_CONTAINER}/accuracy/{label}"]
+                "--output_path", f"{IN_CONTAINER}/accuracy/{regime}/{label}"]
         if config.gsm8k_limit:
             argv += ["--limit", str(config.gsm8k_limit)]
-        command = Command(f"gsm8k on {label}", lm_eval_client(config, srv, argv),
+        title = REGIMES[regime].title
+        command = Command(f"gsm8k on {label}, {title}", lm_eval_client(config, srv, argv),
                           config.lm_eval_timeout, "lm_eval",
-                          done=(f"accuracy/{label}/*/results_*.json",), meta={"config": label})
-        sessions.append(Session(f"3. accuracy: {CONFIG_LABELS[label]}", [command], srv))
+                          done=(f"accuracy/{regime}/{label}/*/results_*.json",),
+                          meta={"config": label, "regime": regime})
+        sessions.append(Session(f"3. accuracy: {CONFIG_LABELS[label]}, {title}", [command],
+                                srv))
     return sessions
 
 
 def sweep(config: Config, labels: tuple[str, ...] = ("A", "B")) -> list[Session]:
     sessions = []
     for label in labels:
-        srv = server(config, label)
+        srv = server(config, label, config.sweep_regime, suffix=False)
         commands = []
         for output_len in config.output_lens:
             for concurrency in config.concurrencies:
@@ -219,7 +241,8 @@ def sweep(config: Config, labels: tuple[str, ...] = ("A", "B")) -> list[Session]
                     config.bench_timeout, "bench", done=(f"bench/{label}/{name}",),
                     meta={"config": label, "concurrency": concurrency,
                           "output_len": output_len}))
-        sessions.append(Session(f"4. sweep: {CONFIG_LABELS[label]}", commands, srv,
+        sessions.append(Session(f"4. sweep: {CONFIG_LABELS[label]}, "
+                                f"{REGIMES[config.sweep_regime].title}", commands, srv,
                                 note="only if its accuracy gate passed"))
     return sessions
 
@@ -257,8 +280,11 @@ def describe(config: Config, sessions: list[Session]) -> str:
         f"# speculative:   {config.speculative_json}",
         f"# results:       {config.out_dir} (/runbook in the containers)",
         f"# serve options: {shlex.join(config.serve_args) or '(none added)'}",
-        f"# server env:    {' '.join(f'{k}={v}' for k, v in config.serve_env.items())}"
-        f" (+ {', '.join(PASSED_ENV)} passed through by name)",
+        f"# server env:    {' '.join(f'{k}={v}' for k, v in config.serve_env.items()) or '-'}"
+        f" (+ {', '.join(PASSED_ENV)} passed through by name), and per AITER regime:",
+        *(f"#   {r.name}: {' '.join(f'{k}={v}' for k, v in r.env.items())}"
+          + (" (tests, A/B accuracy, sweep)" if r.name == config.sweep_regime else "")
+          for r in config.matrix),
     ]
     for session in sessions:
         lines += ["", f"## {session.title}"]
@@ -266,7 +292,8 @@ def describe(config: Config, sessions: list[Session]) -> str:
             lines.append(f"# {session.note}")
         srv = session.server
         if srv:
-            lines += [f"# server {srv.config}: image {srv.image}, port {srv.port}",
+            lines += [f"# server {srv.config}: image {srv.image}, port {srv.port}, "
+                      f"regime {srv.regime}",
                       f"$ {config.engine} rm --force {srv.container}   # a leftover, if any",
                       f"$ {shlex.join(srv.start)}",
                       f"# wait until {srv.health_url} answers 200 "

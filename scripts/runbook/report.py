@@ -142,13 +142,13 @@ def write_report(config: Config, out: Path) -> Path:
         _write_csv(folder / "ratios.csv", ratios, list(ratios[0]))
     if gate:
         _write_csv(folder / "accuracy.csv", [
-            {"config": k, **{f"{m} exact_match": v["scores"][m] for m in parse.GSM8K_METRICS},
+            {"regime": regime, "config": k,
+             **{f"{m} exact_match": v["scores"][m] for m in parse.GSM8K_METRICS},
              **{f"{m} stderr": v["stderrs"][m] for m in parse.GSM8K_METRICS},
              "samples": v["samples"], "repetitive_fraction": v["repetitive"],
-             "gate": "reference" if k == "ref" else
-             ("passed" if gate["gates"][k]["passed"] else "failed")}
-            for k, v in gate["results"].items()],
-            ["config", *(f"{m} exact_match" for m in parse.GSM8K_METRICS),
+             "gate": _gate_word(entry, k)}
+            for regime, entry in gate["regimes"].items() for k, v in entry["results"].items()],
+            ["regime", "config", *(f"{m} exact_match" for m in parse.GSM8K_METRICS),
              *(f"{m} stderr" for m in parse.GSM8K_METRICS), "samples",
              "repetitive_fraction", "gate"])
     plots, no_plots = _plots(rows, folder, config.banner and config.banner.split(":")[0])
@@ -172,7 +172,11 @@ def _summary(config: Config, out: Path, rows, ratios, gate, plots, no_plots,
         f"- A: `{config.baseline_image}` — {CONFIG_LABELS['A']}",
         f"- B: `{config.candidate_image}` — {CONFIG_LABELS['B']}",
         f"- target `{config.model}`, speculative config `{config.speculative_json}`",
-        f"- server environment: `{' '.join(f'{k}={v}' for k, v in config.serve_env.items())}`",
+        "- AITER regimes (each server sets all three switches): "
+        + ", ".join(f"{r.name} ({r.title})" for r in config.matrix)
+        + f"; the A/B accuracy gate and the sweep: {config.sweep_regime}",
+        "- more server environment: " + (" ".join(
+            f"`{k}={v}`" for k, v in config.serve_env.items()) or "none"),
         f"- accuracy client: `{config.lm_eval_requirement}`, installed in a throwaway "
         "container next to each server",
         "- files: `sweep.csv`, `ratios.csv`, `accuracy.csv`, `plan.txt` (the plan), "
@@ -193,13 +197,21 @@ def _verdicts(out: Path, rows, ratios, gate) -> list[str]:
         f"{'passed' if tests['ok'] else 'FAILED'}: {tests['passed']} passed, "
         f"{tests['failed']} failed, {len(tests['skipped'])} skipped"))
     lines.append("- profile (B): " + (
-        "not run" if not prof else "every kernel expectation met" if prof["ok"] else
-        "FAILED: " + ", ".join(c["check"] for c in prof["checks"] if not c["ok"])))
+        "not run" if not prof else
+        f"every kernel expectation met in {len(prof['regimes'])} regime(s)" if prof["ok"] else
+        "FAILED: " + ", ".join(f"{c['check']} ({regime})"
+                               for regime, r in prof["regimes"].items()
+                               for c in r["checks"] if not c["ok"])))
     if gate:
+        sweep_gates = gate["regimes"][gate["sweep_regime"]]["gates"]
         for k in ("A", "B"):
-            lines.append(f"- accuracy gate {k}: "
-                         + ("passed" if gate["gates"][k]["passed"] else
+            lines.append(f"- accuracy gate {k} ({gate['sweep_regime']}): "
+                         + ("passed" if sweep_gates[k]["passed"] else
                             "FAILED: no performance is reported for it"))
+        others = [r for r in gate["regimes"] if r != gate["sweep_regime"]]
+        if others:
+            lines.append("- accuracy gate B in the other regimes: " + ", ".join(
+                f"{r} {_gate_word(gate['regimes'][r], 'B')}" for r in others))
     else:
         lines.append("- accuracy: not run; no performance is reported without it")
     if ratios:
@@ -226,13 +238,30 @@ def _profile_section(out: Path) -> list[str]:
     prof = _read(out / "profile/summary.json")
     if not prof:
         return []
-    lines = ["## 2. Profile of B's decode steps", "",
-             f"{len(prof['traces'])} rank trace(s), {_fmt(prof['drafts'], 0)} draft step(s); "
-             f"AITER BMM flags {'on' if prof['aiter_bmm'] else 'off'}.", "",
-             "| check | ok | found |", "| --- | --- | --- |"]
-    for c in prof["checks"]:
-        lines.append(f"| {c['check']} | {'yes' if c['ok'] else '**NO**'} | {c['detail']} |")
+    lines = ["## 2. Profile of B's decode steps, per AITER regime", "",
+             "Kernel names are matched over the whole trace (target and draft layers). "
+             "What each regime launched for the steps its flags switch (first rank's trace; "
+             "name × launches):", "",
+             "| regime | absorb | RoPE | KV-cache write |", "| --- | --- | --- | --- |"]
+    for regime, r in prof["regimes"].items():
+        cells = ["<br>".join(f"`{name}` × {count}" for name, count in
+                             sorted(r["kernels"].get(role, {}).items(), key=lambda i: -i[1]))
+                 or "none" for role in ("absorb", "RoPE", "KV-cache write")]
+        lines.append(f"| {regime} | " + " | ".join(cells) + " |")
+    for regime, r in prof["regimes"].items():
+        lines += ["", f"### {regime}: `{' '.join(f'{k}={v}' for k, v in r['env'].items())}`",
+                  "", f"{len(r['traces'])} rank trace(s), {_fmt(r['drafts'], 0)} draft "
+                  "step(s).", "", "| check | ok | found |", "| --- | --- | --- |"]
+        for c in r["checks"]:
+            lines.append(f"| {c['check']} | {'yes' if c['ok'] else '**NO**'} | "
+                         f"{c['detail']} |")
     return lines + [""]
+
+
+def _gate_word(entry: dict, label: str) -> str:
+    if label == "ref":
+        return "reference"
+    return "passed" if entry["gates"][label]["passed"] else "failed"
 
 
 def _accuracy_section(gate) -> list[str]:
@@ -240,29 +269,33 @@ def _accuracy_section(gate) -> list[str]:
         return []
     lines = ["## 3. Accuracy first: gsm8k, 5-shot (lm-eval)", "",
              f"Gate: each speculative configuration within {gate['noise_sigmas']:g} standard "
-             "errors of the difference from the target without speculative decoding, on "
-             "both metrics. A broken drafter can *raise* acceptance: acceptance alone "
-             "proves nothing.", "",
-             "| config | strict-match | flexible-extract | samples | repetitive outputs "
-             "| gate |", "| --- | --- | --- | --- | --- | --- |"]
-    for k, v in gate["results"].items():
-        cells = [f"{v['scores'][m]:.4f} ± {_fmt(v['stderrs'][m], 4)}"
-                 for m in parse.GSM8K_METRICS]
-        rep = "–" if v["repetitive"] is None else f"{100 * v['repetitive']:.1f}%"
-        verdict = "reference" if k == "ref" else (
-            "passed" if gate["gates"][k]["passed"] else "**FAILED**")
-        lines.append(f"| {k}: {CONFIG_LABELS[k]} | {' | '.join(cells)} | {v['samples']} "
-                     f"| {rep} | {verdict} |")
+             "errors of the difference from the target without speculative decoding served "
+             "in the same AITER regime, on both metrics. A broken drafter can *raise* "
+             "acceptance: acceptance alone proves nothing. A is served in the sweep's "
+             f"regime ({gate['sweep_regime']}) only.", "",
+             "| regime | config | strict-match | flexible-extract | samples | repetitive "
+             "outputs | gate |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for regime, entry in gate["regimes"].items():
+        for k, v in entry["results"].items():
+            cells = [f"{v['scores'][m]:.4f} ± {_fmt(v['stderrs'][m], 4)}"
+                     for m in parse.GSM8K_METRICS]
+            rep = "–" if v["repetitive"] is None else f"{100 * v['repetitive']:.1f}%"
+            verdict = _gate_word(entry, k)
+            lines.append(f"| {regime} | {k}: {CONFIG_LABELS[k]} | {' | '.join(cells)} | "
+                         f"{v['samples']} | {rep} | "
+                         f"{verdict if verdict != 'failed' else '**FAILED**'} |")
     lines.append("")
-    for k in ("A", "B"):
-        lines += [f"- {k}: " + "; ".join(gate["gates"][k]["lines"])]
+    for regime, entry in gate["regimes"].items():
+        for k, g in entry["gates"].items():
+            lines += [f"- {k} ({regime}): " + "; ".join(g["lines"])]
     return lines + [""]
 
 
 def _sweep_section(ratios, gate, plots, no_plots, problems) -> list[str]:
     lines = ["## 4. Serving sweep: B against A", ""]
     if gate:
-        failed = [k for k in ("A", "B") if not gate["gates"][k]["passed"]]
+        gates = gate["regimes"][gate["sweep_regime"]]["gates"]
+        failed = [k for k in ("A", "B") if not gates[k]["passed"]]
         if failed:
             lines += [f"Not measured for {', '.join(failed)}: failed the accuracy gate.", ""]
     if not ratios:

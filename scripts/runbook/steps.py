@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scripts.runbook import checks, parse, plan
-from scripts.runbook.config import Config
+from scripts.runbook.config import REGIMES, Config
 from scripts.runbook.executor import Executor, Result
 
 _POLL_SECONDS = 10
@@ -244,69 +244,92 @@ def tests(rb: Runbook) -> None:
 
 
 def profile(rb: Runbook) -> None:
+    """B's decode under each AITER regime; every regime's trace must meet the
+    expectations its flags set (checks.EXPECTATIONS)."""
+    regimes = [r.name for r in rb.config.matrix]
     summary = rb.read_json("profile/summary.json")
-    if summary and summary["ok"]:
+    if summary and summary["ok"] and list(summary["regimes"]) == regimes:
         rb.say("2. profile (B)\n  skip: profile/summary.json exists and passed")
         return
     rb.sessions(plan.profile(rb.config))
-    bench = parse.bench_result(rb.path("profile/bench.json"))
-    drafts = bench["spec_decode_num_drafts"]
-    traces = sorted(rb.out.glob("profile/trace/**/*.pt.trace.json*"))
-    env = rb.config.serve_env
-    flags = checks.AiterFlags.from_env(env)
-    per_rank = {}
-    for path in traces:
+    results = {regime: _profile_regime(rb, regime) for regime in regimes}
+    ok = all(r["ok"] for r in results.values())
+    rb.write_json("profile/summary.json", {"ok": ok, "regimes": results})
+    if not ok:
+        regime, result = next((k, v) for k, v in results.items() if not v["ok"])
+        failed = next(v for v in result["checks"] if not v["ok"])
+        raise StepError(f"profile ({regime}): {failed['check']}: {failed['detail'][:200]}; "
+                        "see profile/summary.json")
+
+
+def _profile_regime(rb: Runbook, regime: str) -> dict:
+    folder = f"profile/{regime}"
+    drafts = parse.bench_result(rb.path(f"{folder}/bench.json"))["spec_decode_num_drafts"]
+    env = rb.config.env(regime)
+    flags = checks.AiterFlags.from_env(env, rb.config.machine.gcn_arch)
+    per_rank, roles = {}, {}
+    for path in sorted(rb.out.glob(f"{folder}/trace/**/*.pt.trace.json*")):
         trace = parse.chrome_trace(path)
         if trace.kernels:  # the frontend's CPU-only trace has none
             per_rank[rb.rel(path)] = checks.check_trace(
                 trace, int(drafts) if drafts is not None else None, flags)
+            roles = roles or checks.kernels_by_role(trace)  # the first rank's
     if not per_rank:
-        raise StepError("profile: no trace with GPU kernels under profile/trace/; see "
-                        "logs/k3-runbook-b-profile.log")
+        raise StepError(f"profile ({regime}): no trace with GPU kernels under {folder}/trace/; "
+                        f"see logs/k3-runbook-b-{regime}-profile.log")
     names = [v.name for v in next(iter(per_rank.values()))]
     verdicts = [{"check": name,
                  "ok": all(vs[i].ok for vs in per_rank.values()),
                  "detail": "; ".join(f"{Path(f).name}: {vs[i].detail}"
                                      for f, vs in per_rank.items())}
                 for i, name in enumerate(names)]
-    ok = all(v["ok"] for v in verdicts)
-    rb.write_json("profile/summary.json", {"ok": ok, "drafts": drafts, "aiter_bmm": flags.bmm,
-                                           "traces": list(per_rank), "checks": verdicts})
-    if not ok:
-        failed = next(v for v in verdicts if not v["ok"])
-        raise StepError(f"profile: {failed['check']}: {failed['detail'][:200]}; "
-                        "see profile/summary.json")
+    return {"ok": all(v["ok"] for v in verdicts), "env": env, "drafts": drafts,
+            "flags": dataclasses.asdict(flags), "traces": list(per_rank),
+            "checks": verdicts, "kernels": roles}
 
 
 # --- 3. accuracy ----------------------------------------------------------------
 
 
 def accuracy(rb: Runbook) -> None:
+    """gsm8k per regime: B (and, in the sweep's regime, A) against the target
+    without speculative decoding served the same way."""
     rb.sessions(plan.accuracy(rb.config))
-    accuracies, results = {}, {}
-    for label in ("ref", "A", "B"):
-        folder = rb.path(f"accuracy/{label}")
-        acc = accuracies[label] = parse.lm_eval_gsm8k(label, parse.latest_lm_eval_results(folder))
+    regimes: dict = {}
+    for regime, label in plan.accuracy_runs(rb.config):
+        folder = rb.path(f"accuracy/{regime}/{label}")
+        acc = parse.lm_eval_gsm8k(label, parse.latest_lm_eval_results(folder))
         samples = sorted(folder.glob("*/samples_gsm8k_*.jsonl"))
-        results[label] = {"scores": acc.scores, "stderrs": acc.stderrs, "samples": acc.samples,
-                          "file": rb.rel(acc.file),
-                          "repetitive": parse.repetitive_fraction(samples[-1]) if samples
-                          else None}
-    gates = {label: checks.accuracy_gate(accuracies[label], accuracies["ref"],
-                                         rb.config.noise_sigmas) for label in ("A", "B")}
-    rb.write_json("accuracy/gate.json", {
-        "noise_sigmas": rb.config.noise_sigmas, "results": results,
-        "gates": {k: {"passed": g.passed, "lines": g.lines} for k, g in gates.items()}})
-    for label, g in gates.items():
-        rb.say(f"  gate {label}: {'passed' if g.passed else 'FAILED'}; " + "; ".join(g.lines))
+        entry = regimes.setdefault(regime, {"env": REGIMES[regime].env, "results": {},
+                                            "gates": {}, "_acc": {}})
+        entry["_acc"][label] = acc
+        entry["results"][label] = {
+            "scores": acc.scores, "stderrs": acc.stderrs, "samples": acc.samples,
+            "file": rb.rel(acc.file),
+            "repetitive": parse.repetitive_fraction(samples[-1]) if samples else None}
+    for regime, entry in regimes.items():
+        found = entry.pop("_acc")
+        for label in (k for k in found if k != "ref"):
+            g = checks.accuracy_gate(found[label], found["ref"], rb.config.noise_sigmas)
+            entry["gates"][label] = {"passed": g.passed, "lines": g.lines}
+            rb.say(f"  gate {label} ({regime}): {'passed' if g.passed else 'FAILED'}; "
+                   + "; ".join(g.lines))
+    rb.write_json("accuracy/gate.json", {"noise_sigmas": rb.config.noise_sigmas,
+                                         "sweep_regime": rb.config.sweep_regime,
+                                         "regimes": regimes})
 
 
 def passed_gate(rb: Runbook) -> tuple[str, ...]:
+    """The configurations whose gate passed in the sweep's regime."""
     gate = rb.read_json("accuracy/gate.json")
     if gate is None:
         raise StepError("no accuracy gate (accuracy/gate.json): run the accuracy step first; "
                         "performance is measured only for configurations that pass it")
-    return tuple(k for k in ("A", "B") if gate["gates"][k]["passed"])
+    gates = gate["regimes"].get(rb.config.sweep_regime, {}).get("gates", {})
+    if set(gates) != {"A", "B"}:
+        raise StepError(f"accuracy/gate.json has no A/B gate for the sweep's regime "
+                        f"{rb.config.sweep_regime}: run the accuracy step again")
+    return tuple(k for k in ("A", "B") if gates[k]["passed"])
 
 
 # --- 4. sweep and kernel benchmark ----------------------------------------------

@@ -50,6 +50,7 @@ class RecordingExecutor:
     clock: float = 0.0
     _polls: int = 0
     serving: str | None = None  # the config being served
+    serving_env: dict = field(default_factory=dict)  # its --env=KEY=VALUE flags
     _profile_dir: str | None = None
 
     # --- Executor ------------------------------------------------------------
@@ -119,6 +120,8 @@ class RecordingExecutor:
     def _server(self, argv, meta):
         self._polls = 0
         self.serving = meta["config"]
+        self.serving_env = dict(a[len("--env="):].split("=", 1) for a in argv
+                                if a.startswith("--env=") and "=" in a[len("--env="):])
         if "--profiler-config" in argv:
             self._profile_dir = json.loads(self.option(argv, "--profiler-config"))[
                 "torch_profiler_dir"]
@@ -150,7 +153,8 @@ class RecordingExecutor:
         drafts = result["spec_decode_num_drafts"]
         folder = self.host(self._profile_dir)
         for rank in range(2):  # two of the eight ranks keep the test small
-            write_json(folder / f"rank{rank}.1796002104.pt.trace.json", decode_trace(drafts))
+            write_json(folder / f"rank{rank}.1796002104.pt.trace.json",
+                       decode_trace(drafts, self.serving_env))
         write_json(folder / "frontend.1796002104.pt.trace.json",
                    {"schemaVersion": 1, "traceEvents": [
                        {"ph": "X", "cat": "user_annotation", "name": "AsyncLLM.generate",
@@ -241,13 +245,45 @@ def bench_figures(label: str, concurrency: int, output_len: int, num_prompts: in
     return result
 
 
-def decode_trace(drafts: int) -> dict:
-    """Rank 0's decode-step events, once per draft step (timestamps shifted)."""
+def decode_trace(drafts: int, env: dict | None = None) -> dict:
+    """Rank 0's decode-step events, once per draft step (timestamps shifted).
+    The sample is a step served with AITER and its FP8 BMM on (the default
+    `env`); other AITER switches get the kernels vLLM launches for them."""
     trace = json.loads((SAMPLES / "trace_decode_step_rank0.pt.trace.json").read_text())
-    step = trace["traceEvents"]
+    step = _as_served(trace["traceEvents"], env or {"VLLM_ROCM_USE_AITER": "1",
+                                                    "VLLM_ROCM_USE_AITER_FP8BMM": "1"})
     trace["traceEvents"] = [{**e, "ts": e["ts"] + 200.0 * i} for i in range(drafts)
                             for e in step]
     return trace
+
+
+# What the sample's AITER kernels become under other switches: the absorb on
+# torch's bmm (hipBLASLt), the FP4 BMM on gfx950, and with AITER off RoPE and
+# the cache write as vLLM's two _C launches.
+_TORCH_BMM = [{"ph": "X", "cat": "cpu_op", "name": "aten::bmm"},
+              {"ph": "X", "cat": "kernel", "name": "Cijk_Alik_Bljk_BBS_BH_MT64x64x64_MI16x16x1"}]
+_FP4_BMM = [{"ph": "X", "cat": "kernel", "name": "_batched_gemm_a16wfp4_kernel"}]
+_UNFUSED = [{"ph": "X", "cat": "kernel", "name": "void vllm::rotary_embedding_kernel<"
+             "c10::BFloat16, true>(long const*, c10::BFloat16*, ...)"},
+            {"ph": "X", "cat": "kernel", "name": "void vllm::concat_and_cache_mla_kernel<"
+             "__hip_bfloat16, __hip_bfloat16, (vllm::Fp8KVCacheDataType)0>(...)"}]
+
+
+def _as_served(events: list[dict], env: dict) -> list[dict]:
+    aiter = env.get("VLLM_ROCM_USE_AITER") == "1"
+    fp4 = aiter and env.get("VLLM_ROCM_USE_AITER_FP4BMM") == "1"  # gfx950: the fake's MI355
+    fp8 = aiter and env.get("VLLM_ROCM_USE_AITER_FP8BMM") == "1" and not fp4
+    out = []
+    for e in events:
+        name = e.get("name", "")
+        if "batched_gemm_a8w8" in name and not fp8:
+            out += [{**x, "ts": e["ts"], "dur": e["dur"]} for x in (_FP4_BMM if fp4 else
+                                                                     _TORCH_BMM)]
+        elif "rope_cat_and_cache" in name and not aiter:
+            out += [{**x, "ts": e["ts"], "dur": e["dur"]} for x in _UNFUSED]
+        else:
+            out.append(e)
+    return out
 
 
 EXAMPLE_BANNER = ("SYNTHETIC EXAMPLE: generated from the recorded sample files of "

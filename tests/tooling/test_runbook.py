@@ -41,9 +41,11 @@ def commands_with(executor: RecordingExecutor, *words: str) -> list[list[str]]:
 # --- the plan ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("machine, arch, gpu", [("mi300x", "gfx942", "MI300X"),
-                                                ("mi355x", "gfx950", "MI355X")])
-def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch, gpu):
+@pytest.mark.parametrize("machine, arch, gpu, regimes", [
+    ("mi300x", "gfx942", "MI300X", ["AITER off", "AITER on, BMM flags off", "AITER on + FP8 BMM"]),
+    ("mi355x", "gfx950", "MI355X", ["AITER off", "AITER on, BMM flags off", "AITER on + FP8 BMM",
+                                    "AITER on + FP4 BMM"])])
+def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch, gpu, regimes):
     out = tmp_path / "results"
     result = subprocess.run(
         [PYTHON, "-m", "scripts", "runbook", "--machine", machine, "--dry-run",
@@ -55,32 +57,68 @@ def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch,
     assert text.startswith(f"# K3 DSpark hardware runbook: plan for {machine} ({arch}, "
                            f"AMD Instinct {gpu}, tensor parallel 8)")
     headers = [ln for ln in text.splitlines() if ln.startswith("## ")]
+    ref, a, b = ("target without speculative decoding (image A)",
+                 "baseline: vLLM release, NVIDIA drafter module on ROCm (image A)",
+                 "candidate: release + this stack's overlay, AMD drafter (image B)")
+    fp8 = "AITER on + FP8 BMM"
+    others = [r for r in regimes if r != fp8]
     assert headers == [
-        "## 0. preflight", "## 1. device tests (B)", "## 2. profile (B)",
-        "## 3. accuracy: target without speculative decoding (image A)",
-        "## 3. accuracy: baseline: vLLM release, NVIDIA drafter module on ROCm (image A)",
-        "## 3. accuracy: candidate: release + this stack's overlay, AMD drafter (image B)",
-        "## 4. sweep: baseline: vLLM release, NVIDIA drafter module on ROCm (image A)",
-        "## 4. sweep: candidate: release + this stack's overlay, AMD drafter (image B)",
+        "## 0. preflight", "## 1. device tests (B)",
+        *(f"## 2. profile (B): {r}" for r in regimes),
+        # The sweep's regime first, with A; B against its reference in every other.
+        f"## 3. accuracy: {ref}, {fp8}", f"## 3. accuracy: {a}, {fp8}",
+        f"## 3. accuracy: {b}, {fp8}",
+        *(f"## 3. accuracy: {config}, {r}" for r in others for config in (ref, b)),
+        f"## 4. sweep: {a}, {fp8}", f"## 4. sweep: {b}, {fp8}",
         "## 4b. kernel benchmark (B)", "## 5. report"]
     commands = [ln[2:] for ln in text.splitlines() if ln.startswith("$ ")]
     starts = [c for c in commands if c.startswith("docker run --detach")]
-    assert len(starts) == 6  # profile, ref, A, B, sweep A, sweep B
+    n = len(regimes)
+    assert len(starts) == n + (3 + 2 * (n - 1)) + 2  # profile, accuracy, sweep A and B
     assert all("--tensor-parallel-size 8" in c and "--port 8123" in c for c in starts)
-    assert all("--env=HF_TOKEN " in c and "--env=VLLM_ROCM_USE_AITER=1" in c for c in starts)
+    assert all("--env=HF_TOKEN " in c for c in starts)
+    # Every server sets each AITER switch, as its regime says.
+    switches = [tuple(w for w in c.split() if w.startswith("--env=VLLM_ROCM_USE_AITER"))
+                for c in starts]
+    assert all(len(s) == 3 for s in switches)
+    assert sum(s[0] == "--env=VLLM_ROCM_USE_AITER=0" for s in switches) == 1 + 2
+    assert sum("--env=VLLM_ROCM_USE_AITER_FP8BMM=1" in s for s in switches) == 1 + 3 + 2
+    assert sum("--env=VLLM_ROCM_USE_AITER_FP4BMM=1" in s for s in switches) == (
+        1 + 2 if arch == "gfx950" else 0)
     spec = json.dumps(SPECULATIVE_CONFIG, separators=(", ", ": "))
-    assert sum(f"--speculative-config '{spec}'" in c for c in starts) == 5  # not ref
-    assert sum("registry/vllm-rocm:v0.33.0 serve" in c for c in starts) == 3  # ref, A, A
-    assert sum("registry/k3:ci serve" in c for c in starts) == 3
+    assert sum(f"--speculative-config '{spec}'" in c for c in starts) == len(starts) - n
+    assert sum("registry/vllm-rocm:v0.33.0 serve" in c for c in starts) == n + 2  # refs, A, A
+    assert sum("registry/k3:ci serve" in c for c in starts) == 2 * n + 1
     bench = [c for c in commands if " vllm bench serve " in c]
-    assert len(bench) == 1 + 2 * 3 * 4
+    assert len(bench) == n + 2 * 3 * 4
     assert "wait until http://127.0.0.1:8123/health answers 200" in text
     lm_eval = [c for c in commands if "--model local-completions" in c]
-    assert len(lm_eval) == 3
+    assert len(lm_eval) == 2 * n + 1
     assert all(c.startswith("docker run --rm --network=host ") and " -c 'python3 -m pip "
                "install --quiet \"$0\" && exec lm_eval \"$@\"' 'lm_eval[api]==0.4.13' " in c
                for c in lm_eval)
     assert not out.exists()
+
+
+def test_regimes_choose_the_profiles_and_accuracy_runs(tmp_path):
+    """--regimes narrows the matrix; the sweep's regime stays in it; FP4 needs
+    gfx950; the AITER switches cannot come through --env."""
+    from scripts.common import Layout
+
+    def config_of(*argv):
+        return cli.config_from(Layout(tmp_path), cli.parser().parse_args(
+            ["--out", str(tmp_path / "out"), *argv]))
+
+    config = config_of("--machine", "mi300x", "--regimes", "aiter-off")
+    assert [r.name for r in config.matrix] == ["aiter-off", "aiter-fp8bmm"]
+    assert [(r, label) for r, label in plan.accuracy_runs(config)] == [
+        ("aiter-fp8bmm", "ref"), ("aiter-fp8bmm", "A"), ("aiter-fp8bmm", "B"),
+        ("aiter-off", "ref"), ("aiter-off", "B")]
+    assert [s.server.regime for s in plan.profile(config)] == ["aiter-off", "aiter-fp8bmm"]
+    config = config_of("--machine", "mi355x", "--regimes", "aiter-fp4bmm")
+    (_, fp4) = plan.profile(config)
+    assert "--env=VLLM_ROCM_USE_AITER_FP4BMM=1" in fp4.server.start
+    assert "--env=VLLM_ROCM_USE_AITER_FP8BMM=0" in fp4.server.start
 
 
 def test_sweep_cells_cover_output_length_times_concurrency(config):
@@ -96,15 +134,16 @@ def test_options_choose_steps_grid_and_environment(tmp_path):
 
     args = cli.parser().parse_args([
         "--machine", "mi355x", "--steps", "report,sweep", "--output-lens", "128,2048",
-        "--concurrencies", "2", "--env", "VLLM_ROCM_USE_AITER_FP4BMM=1", "--out", str(tmp_path),
+        "--concurrencies", "2", "--env", "HIP_FORCE_DEV_KERNARG=1", "--out", str(tmp_path),
         "--serve-args", "--kv-cache-dtype fp8 --max-model-len 32768"])
     config = cli.config_from(Layout(tmp_path), args)
     assert config.steps == ("sweep", "report")  # always in the runbook's order
     assert config.output_lens == (128, 2048) and config.concurrencies == (2,)
-    assert config.serve_env["VLLM_ROCM_USE_AITER_FP4BMM"] == "1"
+    assert config.serve_env == {"HIP_FORCE_DEV_KERNARG": "1"}
     assert config.machine.gcn_arch == "gfx950"
     (session,) = plan.sweep(config, ("B",))
     start = session.server.start
+    assert "--env=HIP_FORCE_DEV_KERNARG=1" in start
     assert start[start.index("--seed") + 2:][:4] == ["--kv-cache-dtype", "fp8",
                                                       "--max-model-len", "32768"]
 
@@ -133,6 +172,12 @@ def test_a_step_is_one_entry_of_the_registry(tmp_path, config, monkeypatch):
     (["--steps", "tests,warmup"], "unknown step(s) warmup"),
     (["--concurrencies", "1,x"], "--concurrencies '1,x': give positive integers"),
     (["--env", "NOVALUE"], "--env 'NOVALUE': expected KEY=VALUE"),
+    (["--env", "VLLM_ROCM_USE_AITER=0"], "--env 'VLLM_ROCM_USE_AITER=0': the AITER switches "
+                                         "are set per regime; choose regimes with --regimes"),
+    (["--regimes", "aiter,fast"], "--regimes: unknown regime(s) fast; known: aiter-off, aiter, "
+                                  "aiter-fp8bmm, aiter-fp4bmm"),
+    (["--regimes", "aiter-fp4bmm"], "--regimes: aiter-fp4bmm needs gfx950; this machine is "
+                                    "gfx942"),
     (["--serve-args", "--served-model-name 'k3"], "--serve-args \"--served-model-name 'k3\": "
                                                   "No closing quotation"),
     (["--hf-cache", "~nosuchuser/x"], "--hf-cache '~nosuchuser/x': no such user's home"),
@@ -162,8 +207,16 @@ def test_a_full_run_writes_the_report(config, capsys):
     sweep = (report / "sweep.csv").read_text().splitlines()
     assert len(sweep) == 1 + 24
     summary = (report / "summary.md").read_text()
-    assert "- accuracy gate A: passed" in summary and "- accuracy gate B: passed" in summary
-    assert "- profile (B): every kernel expectation met" in summary
+    assert "- accuracy gate A (aiter-fp8bmm): passed" in summary
+    assert "- accuracy gate B (aiter-fp8bmm): passed" in summary
+    assert "- accuracy gate B in the other regimes: aiter-off passed, aiter passed" in summary
+    assert "- profile (B): every kernel expectation met in 3 regime(s)" in summary
+    # Which kernels each regime launched for the absorb, RoPE and the cache write.
+    assert ("| aiter-off | `aten::bmm` × 20 | `rotary_embedding_kernel` × 20 | "
+            "`concat_and_cache_mla_grouped_kernel` × 20<br>`concat_and_cache_mla_kernel` × 20 |"
+            in summary)
+    assert "| aiter-fp8bmm | `_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_" \
+           "tensor_quant_kernel` × 20 | `_fused_qk_rope_cat_and_cache_mla_kernel` × 20 |" in summary
     assert "| 4096 | 64 |" in summary and "B/A, geometric mean over 12 cells" in summary
     # Every command is on record, in the order it ran, with its exit status.
     log = (report / "commands.log").read_text().splitlines()
@@ -172,7 +225,7 @@ def test_a_full_run_writes_the_report(config, capsys):
     lm_eval = [i for i, c in enumerate(executor.commands) if "local-completions" in c]
     sweep = [i for i, c in enumerate(executor.commands) if "bench" in c
              and "--profile" not in c]
-    assert len(lm_eval) == 3 and len(sweep) == 24 and max(lm_eval) < min(sweep)
+    assert len(lm_eval) == 7 and len(sweep) == 24 and max(lm_eval) < min(sweep)
 
 
 def test_plots_are_png_files_or_a_note_without_matplotlib(config, monkeypatch):
@@ -235,10 +288,13 @@ def test_a_broken_drafter_fails_its_gate_and_gets_no_performance(config, capsys)
     assert not [c for c in executor.commands if "bench" in c and "runbook_config=B" in c
                 and "--profile" not in c]
     gate = json.loads((config.out_dir / "accuracy/gate.json").read_text())
-    assert gate["gates"]["B"]["passed"] is False and gate["gates"]["A"]["passed"] is True
-    assert gate["results"]["B"]["repetitive"] == 0.5
+    gates = {r: {k: g["passed"] for k, g in v["gates"].items()}
+             for r, v in gate["regimes"].items()}
+    assert gates == {"aiter-fp8bmm": {"A": True, "B": False}, "aiter-off": {"B": False},
+                     "aiter": {"B": False}}
+    assert gate["regimes"]["aiter-fp8bmm"]["results"]["B"]["repetitive"] == 0.5
     summary = (config.out_dir / "report/summary.md").read_text()
-    assert "- accuracy gate B: FAILED: no performance is reported for it" in summary
+    assert "- accuracy gate B (aiter-fp8bmm): FAILED: no performance is reported for it" in summary
     assert "Not measured for B: failed the accuracy gate." in summary
     assert "B/A, geometric mean" not in summary
 
@@ -332,9 +388,11 @@ def test_a_server_that_never_gets_ready_is_stopped_and_named(config, capsys):
     assert code == 1
     assert _one_line_failure(err, config.out_dir) == (
         "runbook: profile: server B (vllm-k3-dspark-rocm:v0.33.0-overlay) was not ready "
-        "after 3600 s (http://127.0.0.1:8000/health); its log: logs/k3-runbook-b-profile.log")
-    assert executor.commands[-2:] == [["docker", "logs", "k3-runbook-b-profile"],
-                                      ["docker", "rm", "--force", "k3-runbook-b-profile"]]
+        "after 3600 s (http://127.0.0.1:8000/health); its log: "
+        "logs/k3-runbook-b-aiter-off-profile.log")
+    assert executor.commands[-2:] == [
+        ["docker", "logs", "k3-runbook-b-aiter-off-profile"],
+        ["docker", "rm", "--force", "k3-runbook-b-aiter-off-profile"]]
     # What the earlier steps gathered stays.
     assert json.loads((config.out_dir / "tests/summary.json").read_text())["ok"] is True
 
@@ -353,7 +411,7 @@ def test_a_server_that_exits_while_loading_is_named(config, capsys):
     assert code == 1
     assert _one_line_failure(err, config.out_dir).startswith(
         "runbook: accuracy: server ref (vllm/vllm-openai-rocm:v0.33.0) exited before it was "
-        "ready; its log: logs/k3-runbook-ref.log")
+        "ready; its log: logs/k3-runbook-ref-aiter-fp8bmm.log")
 
 
 def test_a_malformed_result_file_is_named_and_the_rest_kept(config, capsys):

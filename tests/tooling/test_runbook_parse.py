@@ -123,8 +123,8 @@ def test_a_trace_that_is_not_one_is_named(tmp_path):
 
 
 # The runbook's serve environment: AITER and its FP8 BMM on, AITER MLA on (default).
-AITER_FP8BMM = checks.AiterFlags(on=True, bmm=True, mla=True)
-AITER_OFF = checks.AiterFlags(on=False, bmm=False, mla=False)
+AITER_FP8BMM = checks.AiterFlags(on=True, fp8bmm=True, fp4bmm=False, mla=True)
+AITER_OFF = checks.AiterFlags(on=False, fp8bmm=False, fp4bmm=False, mla=False)
 
 
 def _verdicts(trace, drafts=4, flags=AITER_FP8BMM):
@@ -155,7 +155,7 @@ def test_the_nvidia_module_on_rocm_fails_the_expectations():
     names["runtime"] += ["hipPointerGetAttribute"] * 8
     verdicts = _verdicts(parse.Trace(**names))
     failed = {name for name, v in verdicts.items() if not v.ok}
-    assert failed == {"AITER FP8/FP4 BMM for the absorb", "no HIPified NVIDIA decode kernel",
+    assert failed == {"AITER FP8 BMM for the absorb", "no HIPified NVIDIA decode kernel",
                       "no hipPointerGetAttribute calls",
                       "one grouped context-KV launch per draft step"}
 
@@ -176,10 +176,63 @@ def test_grouped_launches_must_match_the_draft_steps():
 def test_aiter_bmm_is_not_required_when_its_flags_are_off():
     names = _names(decode_trace(2))
     names["kernels"] = [k for k in names["kernels"] if "a8w8" not in k]
-    flags = checks.AiterFlags(on=True, bmm=False, mla=True)
-    verdict = _verdicts(parse.Trace(**names), drafts=2, flags=flags)[
-        "AITER FP8/FP4 BMM for the absorb"]
+    flags = checks.AiterFlags(on=True, fp8bmm=False, fp4bmm=False, mla=True)
+    verdicts = _verdicts(parse.Trace(**names), drafts=2, flags=flags)
+    verdict = verdicts["AITER FP8 BMM for the absorb"]
     assert verdict.ok and verdict.detail.startswith("not checked")
+    assert verdicts["no AITER BMM with its flags off"].ok
+    # An AITER BMM that runs with its flags off fails.
+    leaked = _verdicts(parse.Trace(**_names(decode_trace(2))), drafts=2, flags=flags)
+    assert not leaked["no AITER BMM with its flags off"].ok
+
+
+@pytest.mark.parametrize("env, arch, flags", [
+    ({}, "gfx942", (False, False, False, False)),
+    ({"VLLM_ROCM_USE_AITER": "1"}, "gfx942", (True, False, False, True)),
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP8BMM": "1"}, "gfx942",
+     (True, True, False, True)),
+    # vLLM honours the FP4 BMM on gfx950 only, and there it wins over FP8.
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP4BMM": "1"}, "gfx942",
+     (True, False, False, True)),
+    ({"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FP4BMM": "1",
+      "VLLM_ROCM_USE_AITER_FP8BMM": "1"}, "gfx950:sramecc+:xnack-", (True, False, True, True)),
+    # The BMM switches mean nothing with AITER off; vLLM also reads "true".
+    ({"VLLM_ROCM_USE_AITER": "0", "VLLM_ROCM_USE_AITER_FP8BMM": "1"}, "gfx942",
+     (False, False, False, False)),
+    ({"VLLM_ROCM_USE_AITER": "true", "VLLM_ROCM_USE_AITER_MLA": "0"}, "gfx942",
+     (True, False, False, False)),
+])
+def test_flags_are_read_as_vllm_reads_them(env, arch, flags):
+    got = checks.AiterFlags.from_env(env, arch)
+    assert (got.on, got.fp8bmm, got.fp4bmm, got.mla) == flags
+
+
+def test_the_fp4_regime_needs_aiters_fp4_bmm():
+    fp4 = checks.AiterFlags(on=True, fp8bmm=False, fp4bmm=True, mla=True)
+    names = _names(decode_trace(2))  # FP8 BMM kernels: not the FP4 ones
+    assert not _verdicts(parse.Trace(**names), drafts=2, flags=fp4)[
+        "AITER FP4 BMM for the absorb"].ok
+    names["kernels"] = [k.replace("_batched_gemm_a8w8_a_per_token_group_prequant_w_per_"
+                                  "batched_tensor_quant_kernel", "_batched_gemm_a16wfp4_kernel")
+                        for k in names["kernels"]]
+    assert _verdicts(parse.Trace(**names), drafts=2, flags=fp4)[
+        "AITER FP4 BMM for the absorb"].ok
+
+
+def test_the_report_names_the_kernels_of_absorb_rope_and_cache_write():
+    served = checks.kernels_by_role(parse.Trace(**_names(decode_trace(2))))
+    assert served == {
+        "absorb": {"_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_"
+                   "kernel": 2},
+        "RoPE": {"_fused_qk_rope_cat_and_cache_mla_kernel": 2},
+        "KV-cache write": {"concat_and_cache_mla_grouped_kernel": 2,
+                           "_fused_qk_rope_cat_and_cache_mla_kernel": 2}}
+    off = checks.kernels_by_role(parse.Trace(**_names(decode_trace(
+        2, {"VLLM_ROCM_USE_AITER": "0"}))))
+    assert off["absorb"] == {"aten::bmm": 2}
+    assert off["RoPE"] == {"rotary_embedding_kernel": 2}
+    assert off["KV-cache write"] == {"concat_and_cache_mla_grouped_kernel": 2,
+                                     "concat_and_cache_mla_kernel": 2}
 
 
 def test_the_draft_kv_write_follows_the_aiter_switch():
@@ -203,7 +256,7 @@ def test_the_identity_rope_fused_decode_is_checked_only_with_aiter_mla_off():
     names["kernels"] += ["fused_qk_rope_concat_and_cache_mla_kernel<...>"]
     check = "no identity-RoPE fused decode (HIP)"
     assert _verdicts(parse.Trace(**names), drafts=2)[check].detail.startswith("not checked")
-    flags = checks.AiterFlags(on=True, bmm=True, mla=False)
+    flags = checks.AiterFlags(on=True, fp8bmm=True, fp4bmm=False, mla=False)
     assert not _verdicts(parse.Trace(**names), drafts=2, flags=flags)[check].ok
 
 
