@@ -12,12 +12,13 @@ commands; adding a step is those two functions and one entry there):
 
 0. preflight: the engine answers, both images exist and hold what they should;
 1. tests: the stack's vLLM tests in B on the GPUs; ROCm-only tests must run;
-2. profile: a few decode steps of B under the torch profiler, kernel names
-   checked against the runbook's expectations;
+2. profile: a few decode steps of B under the torch profiler, once per AITER
+   regime (`config.REGIMES`: off; on; on + FP8 BMM; on + FP4 BMM on gfx950),
+   kernel names checked against what that regime's switches expect;
 3. accuracy: gsm8k through lm-eval against `vllm serve` for the target without
-   speculative decoding (the reference), A and B; each must match the
-   reference within noise, and a configuration that fails gets no
-   performance numbers;
+   speculative decoding (the reference), B in every regime and A in the
+   sweep's; each must match its regime's reference within noise, and a
+   configuration that fails gets no performance numbers;
 4. sweep: `vllm bench serve` over output length x concurrency for A and B
    with the speculative config of the original request, and the draft-block
    attention kernel benchmark when the project has one;
