@@ -41,13 +41,14 @@ def run_client(argv: list[str], config: Config, tokenizer: Path) -> subprocess.C
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
-    """The profile step's bench command against a stand-in server."""
+    """The profile step's bench command (the sweep's AITER regime) against a
+    stand-in server."""
     tmp = tmp_path_factory.mktemp("bench")
     tokenizer = word_level_tokenizer(tmp / "tokenizer")
     with FakeVllmServer(MODEL) as server:
         config = Config(MACHINES["mi300x"], tmp / "out", ROOT, model=MODEL,
                         port=server.port, input_len=32)
-        (session,) = plan.profile(config)
+        (session,) = [s for s in plan.profile(config) if s.server.regime == config.sweep_regime]
         (command,) = session.commands
         result = run_client(command.argv, config, tokenizer)
     return config, command, server, result
@@ -136,5 +137,8 @@ def test_vllm_parses_the_runbook_serve_commands():
         else:
             assert result["spec"] == config.speculative_config
         assert result["unknown"] == [] and result["invalid"] == {}
-    profile = parsed[0]
-    assert (profile["profiler"], profile["profiler_dir"]) == ("torch", "/runbook/profile/trace")
+    # One profiled server per AITER regime, each writing its own trace folder.
+    profiles = [(srv.regime, result["profiler"], result["profiler_dir"])
+                for srv, result in zip(servers, parsed) if result["profiler"]]
+    assert profiles == [(r.name, "torch", f"/runbook/profile/{r.name}/trace")
+                        for r in config.matrix]
