@@ -115,78 +115,78 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
     # Imports are local so that `check` and `apply` never need the venv's packages.
     if args.command == "fetch":
-        from scripts.fetch import ensure_artifact
-        from scripts.pin import load_pin
+        from scripts.stack.fetch import ensure_artifact
+        from scripts.stack.pin import load_pin
 
         pin = load_pin(layout.pin_file)
         for artifact in (pin.sdist, pin.wheel):
             print(ensure_artifact(layout, pin.project, artifact))
     elif args.command == "apply":
-        from scripts.stack import apply
+        from scripts.stack.apply import apply
 
         apply(layout)
     elif args.command == "patches":
-        from scripts.stack import export_patches
+        from scripts.stack.apply import export_patches
 
         export_patches(layout)
     elif args.command == "rebase":
-        from scripts.rebase import rebase
+        from scripts.stack.rebase import rebase
 
         rebase(layout, args.version)
     elif args.command == "drift":
-        from scripts.drift import drift
+        from scripts.stack.drift import drift
 
         return drift(layout, args.version or None)
     elif args.command == "overlay":
-        from scripts.overlay import regenerate
-        from scripts.pin import load_pin
-        from scripts.series import read_series
+        from scripts.stack.overlay import regenerate
+        from scripts.stack.pin import load_pin
+        from scripts.stack.series import read_series
 
         regenerate(layout, load_pin(layout.pin_file), [p.name for p in read_series(layout)])
     elif args.command == "install-overlay":
-        from scripts.overlay import install
+        from scripts.stack.overlay import install
 
         install(args.overlay or layout.overlay_dir, args.target, args.dry_run)
     elif args.command == "check":
-        from scripts.check import check
+        from scripts.stack.check import check
 
         return check(layout)
     elif args.command == "lock":
-        from scripts.lock import generate
+        from scripts.stack.lock import generate
 
         generate(layout)
     elif args.command == "build":
-        from scripts.venv import build
+        from scripts.stack.venv import build
 
         build(layout)
     elif args.command == "test":
-        from scripts.testrun import run_all
+        from scripts.testing.testrun import run_all
 
         return run_all(layout, fresh=args.fresh, only=args.only)
     elif args.command == "export":
-        from scripts.export import export_for_upstream
+        from scripts.stack.export import export_for_upstream
 
         export_for_upstream(layout, os.environ.get("K3_SIGNOFF", ""))
     elif args.command == "mutate":
-        from scripts.mutate import mutate
+        from scripts.testing.mutate import mutate
 
         return mutate(layout, args.names, args.project, args.fresh)
     elif args.command == "bench":
-        from scripts.bench import bench
+        from scripts.perf.bench import bench
 
         bench(layout)
     elif args.command == "gpubench":
-        from scripts.gpubench import gpubench
+        from scripts.perf.gpubench import gpubench
 
         return gpubench(layout, args.case, args.package, args.source, args.rev,
                         args.build_only, args.before)
     elif args.command == "clean":
-        from scripts.clean import clean, force_typed
+        from scripts.stack.clean import clean, force_typed
 
         clean(layout, force=args.force or (args.forced_by_make is not None
                                            and force_typed(args.forced_by_make)))
     elif args.command == "rocm-image":
-        from scripts.rocm_image import build_image
+        from scripts.image.rocm_image import build_image
 
         build_image(layout, source=args.source, dry_run=args.dry_run)
     return None

@@ -14,7 +14,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from scripts.runbook.config import CONFIG_LABELS, REGIMES, Config
-from scripts.testrun import vllm_test_files
+from scripts.testing.testrun import vllm_test_files
 
 IN_CONTAINER = "/runbook"  # the results folder, inside every container
 STACK_IN_CONTAINER = "/k3-stack"  # the project (scripts/), read-only

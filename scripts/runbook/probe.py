@@ -25,7 +25,7 @@ def probe() -> dict:
     import torch
     import vllm
 
-    from scripts.rocm_smoke import resolved_drafter_modules
+    from scripts.image.rocm_smoke import resolved_drafter_modules
 
     props = torch.cuda.get_device_properties(0) if torch.cuda.device_count() else None
     return {

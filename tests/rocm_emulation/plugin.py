@@ -1,7 +1,7 @@
 """pytest plugin: the whole pytest process runs under emulated ROCm.
 
 Load it with ``-p rocm_emulation.plugin`` and ``<project>/tests`` on
-``PYTHONPATH`` (``scripts/testrun.py`` does both for the "(ROCm)" rows). Before
+``PYTHONPATH`` (``scripts/testing/testrun.py`` does both for the "(ROCm)" rows). Before
 anything imports vLLM, it makes vLLM's real ``RocmPlatform`` the current
 platform and gives the compiled ops the drafter touches CPU bodies, with the
 verification harness's ``platform.activate``. ``K3_ROCM_ARCH`` picks the

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.pin import Artifact, Pin, render_pin
+from scripts.stack.pin import Artifact, Pin, render_pin
 
 REPO = Path(__file__).resolve().parents[2]  # /work/main: where `python3 -m scripts` runs
 FAULT_DIR = Path(__file__).resolve().parent / "fault"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from scripts.bench import recorded_test_runs
 from scripts.common import Layout
-from scripts.testcache import ResultStore
+from scripts.perf.bench import recorded_test_runs
+from scripts.testing.testcache import ResultStore
 from tests.tooling.conftest import snapshot
 
 

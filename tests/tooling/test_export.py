@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts import testrun
 from scripts.common import Layout
-from scripts.testcache import FORMAT
+from scripts.testing import testrun
+from scripts.testing.testcache import FORMAT
 from tests.tooling.conftest import (
     AUTHOR,
     FOO_PATCHED,

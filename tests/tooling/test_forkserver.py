@@ -1,5 +1,5 @@
 """vLLM's test files run in forks of a server that imported their conftest's
-imports (scripts/forkserver.py): the same outcome as a pytest process of their
+imports (scripts/testing/forkserver.py): the same outcome as a pytest process of their
 own, and what the server read before the fork counts as read by each."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.forkserver import ForkServers
-from scripts.testdeps import TRACKER_DIR, Reads, tracker_env
+from scripts.testing.forkserver import ForkServers
+from scripts.testing.testdeps import TRACKER_DIR, Reads, tracker_env
 from tests.tooling.test_testdeps import BASE, Tree
 
 CONFTEST = "import pkg.used  # what every test of the tree imports first\n"

@@ -28,7 +28,7 @@ from tests.tooling.conftest import (
     sha256_file,
     snapshot,
 )
-from scripts.pin import render_pin
+from scripts.stack.pin import render_pin
 from tests.tooling.test_overlay import pristine_copy
 
 FOO_MEMBER = "vllm/models/foo.py"  # the last member: damage to its header loses only it

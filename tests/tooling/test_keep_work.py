@@ -262,7 +262,7 @@ def test_clean_keeps_files_that_look_like_build_outputs_but_the_tooling_did_not_
     """Only what the tooling itself made goes without asking: what `make build`
     wrote (recorded in the state file, as long as nobody changed it), the
     wheel's files and Python's bytecode of a source that is there."""
-    from scripts.gitrepo import ignored_stats, record_build_outputs
+    from scripts.stack.gitrepo import ignored_stats, record_build_outputs
 
     before = ignored_stats(stacked.tree)
     built = stacked.tree / "build" / "temp" / "setup.o"  # as a build writes it

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import lint
 from scripts.common import Layout
+from scripts.stack import lint
 
 # The shape of the pinned release's .pre-commit-config.yaml, cut down.
 PRE_COMMIT_CONFIG = """\

@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from scripts import mutate
 from scripts.common import Layout, StackError
+from scripts.testing import mutate
 from tests.tooling.conftest import FOO_PATCHED, SUBJECT_1, V1
 
 DEFECT = mutate.Mutation("small-block", "foo's block is back to 32", "vllm/models/foo.py",
@@ -73,7 +73,7 @@ def test_a_mutation_the_stack_no_longer_has_is_named(stand_in, tmp_path):
     stand_in.git("clone", "-q", "--shared", "--no-checkout", str(stand_in.tree), str(clone))
     gone = mutate.Mutation("gone", "x", "vllm/models/foo.py", "BLOCK = 128", "BLOCK = 1")
     with pytest.raises(StackError, match=r"mutation gone: no patch has 'BLOCK = 128' in "
-                                         r"vllm/models/foo.py; .*update scripts/mutate.py"):
+                                         r"vllm/models/foo.py; .*update scripts/testing/mutate.py"):
         mutate._mutated_stack(stand_in.layout, clone, gone)
 
 

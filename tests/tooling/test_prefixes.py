@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from scripts import testrun
 from scripts.common import Layout
-from scripts.prefixes import PrefixTrees
+from scripts.testing import testrun
+from scripts.testing.prefixes import PrefixTrees
 from tests.tooling.conftest import FOO_PATCHED, TEST_FOO_PATCHED, V1
 
 BASE = f"vllm-{V1}"

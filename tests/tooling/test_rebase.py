@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.pin import Pin, render_pin
+from scripts.stack.pin import Pin, render_pin
 from tests.tooling.conftest import (
     FOO_V1,
     PATCH_1,

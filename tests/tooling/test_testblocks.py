@@ -1,5 +1,5 @@
-"""Which tests a change reaches: the blocks of a Python file (scripts/testblocks.py)
-and the per-test record pytest writes under the tracker (scripts/reads/k3_pertest.py).
+"""Which tests a change reaches: the blocks of a Python file (scripts/testing/testblocks.py)
+and the per-test record pytest writes under the tracker (scripts/testing/reads/k3_pertest.py).
 
 The record is made by a real pytest process over a small package, under the
 read tracker, as `make test` starts its units; the blocks are compared on
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.testblocks import MODULE, Blocks, affected_tests, changed_blocks
-from scripts.testdeps import TRACKER_DIR, tracker_env
+from scripts.testing.testblocks import MODULE, Blocks, affected_tests, changed_blocks
+from scripts.testing.testdeps import TRACKER_DIR, tracker_env
 
 SOURCE = textwrap.dedent('''\
     import functools

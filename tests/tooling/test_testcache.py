@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts import testrun
 from scripts.__main__ import main
 from scripts.common import Layout, StackError
+from scripts.testing import testrun
 from tests.tooling.conftest import (
     FOO_PATCHED,
     NEW_MODEL,

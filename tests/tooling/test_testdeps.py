@@ -1,4 +1,4 @@
-"""The read tracker and the digests `make test` keys its units by (scripts/testdeps.py).
+"""The read tracker and the digests `make test` keys its units by (scripts/testing/testdeps.py).
 
 Each test runs a small Python program under the tracker, in a git repository
 standing for the vLLM tree, and checks what it recorded and which changes to
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.testdeps import TRACKER_DIR, Reads, TreeIndex, tracker_env
+from scripts.testing.testdeps import TRACKER_DIR, Reads, TreeIndex, tracker_env
 
 BASE = "vllm-0.1.0"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import testrun
 from scripts.common import Layout
+from scripts.testing import testrun
 
 REGRESSION = """\
 # a comment line
@@ -175,7 +175,7 @@ def _real_hadolint() -> Path | None:
     """hadolint from .venv-lint (requirements/lint.lock), or one on PATH."""
     import shutil
 
-    from scripts.lock import LINT
+    from scripts.stack.lock import LINT
 
     installed = LINT.python(Layout.default()).parent / "hadolint"
     found = installed if installed.exists() else shutil.which("hadolint")
@@ -191,7 +191,7 @@ def test_recipes_row_runs_hadolint_on_every_recipe(tmp_path, capsys):
     (bin_dir / "hadolint").symlink_to(hadolint)
     docker = tmp_path / "docker"
     docker.mkdir()
-    shipped = Path(testrun.__file__).parents[1] / "docker" / "Dockerfile.rocm-overlay"
+    shipped = Path(testrun.__file__).parents[2] / "docker" / "Dockerfile.rocm-overlay"
     (docker / "Dockerfile.rocm-overlay").write_text(shipped.read_text())
     # Unpinned apt package, no --no-install-recommends, no list cleanup.
     (docker / "Dockerfile.bad").write_text(

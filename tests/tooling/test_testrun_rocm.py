@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scripts import testrun
 from scripts.common import Layout, StackError
+from scripts.testing import testrun
 
 ROCM_LIST = """\
 # a comment line

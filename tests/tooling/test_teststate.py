@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import testcache
+from scripts.testing import testcache
 from tests.tooling import test_testcache
 from tests.tooling.conftest import PYTHON, REPO, TEST_FOO_PATCHED
 from tests.tooling.test_testcache import _parts, _ran, _test

@@ -1,6 +1,6 @@
 """The stack's Triton kernels, compiled for MI300 (gfx942) and MI355 (gfx950) on CPU.
 
-`python -m scripts.amd_resources` compiles, with Triton's AMD backend, every
+`python -m scripts.perf.amd_resources` compiles, with Triton's AMD backend, every
 launch that patch 8's `rejection_sample`, patch 5's
 `decode_attention_fwd_mla_block` and patch 9's V1 recovery kernel make at the
 drafter's production shapes (the block path at 1, 3 and 16 requests), with
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.amd_resources.resources import Resources
-from scripts.amd_resources.targets import arch_named, waves_by_registers, waves_per_simd
+from scripts.perf.amd_resources.resources import Resources
+from scripts.perf.amd_resources.targets import arch_named, waves_by_registers, waves_per_simd
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("gfx942", "gfx950")
@@ -54,7 +54,7 @@ def amd_resources(*args: str, tmp_path: Path) -> tuple[subprocess.CompletedProce
     out = tmp_path / "resources.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    result = subprocess.run([sys.executable, "-m", "scripts.amd_resources", *args,
+    result = subprocess.run([sys.executable, "-m", "scripts.perf.amd_resources", *args,
                              "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=1800)
     data = json.loads(out.read_text()) if out.exists() else {}

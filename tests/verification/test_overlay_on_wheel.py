@@ -107,7 +107,7 @@ def drafter_dispatch(site: Path) -> dict:
         from tests.verification.harness import platform
         platform.activate("rocm-gfx942")
         import vllm
-        from scripts import rocm_smoke
+        from scripts.image import rocm_smoke
         result = {{"vllm_file": vllm.__file__, "modules": rocm_smoke.resolved_drafter_modules()}}
         try:
             rocm_smoke.check_drafter_dispatch()

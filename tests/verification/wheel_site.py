@@ -15,8 +15,8 @@ import zipfile
 from pathlib import Path
 
 from scripts.common import Layout
-from scripts.fetch import ensure_artifact
-from scripts.pin import load_pin
+from scripts.stack.fetch import ensure_artifact
+from scripts.stack.pin import load_pin
 
 _COMPLETE = ".complete"
 

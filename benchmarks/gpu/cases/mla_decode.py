@@ -307,7 +307,7 @@ def roofline(shape: dict) -> tuple[int, int]:
 HERE = Path(__file__).resolve().parent
 # Candidate tiles for --sweep, by KV dtype (fp8?): _MLABlockTile arguments.
 # ROCm: the tiles that compile for gfx942 and gfx950 without spills within the
-# LDS (python -m scripts.amd_resources --sweep); NVIDIA: the 64-row entries.
+# LDS (python -m scripts.perf.amd_resources --sweep); NVIDIA: the 64-row entries.
 if torch.version.hip:
     SWEEP_TABLE = "for row in _TILES_ROCM.values(): row[{fp8}] = {tile}"
     SWEEP_TILES = {

@@ -1,0 +1,495 @@
+"""`python3 -m scripts gpubench`: time the stack's GPU kernels against the release.
+
+Builds build/gpubench/, a small self-contained package: the runner
+(benchmarks/gpu/: plain Python, torch and Triton) plus, for each vLLM tree
+(`pristine` = the release tag, `patched` = HEAD of build/vllm, and any
+`--rev LABEL=REV`), the files the cases call and the vllm modules they import,
+read with `git show`. vllm.triton_utils and vllm.platforms become stand-ins, so
+the package runs on a GPU machine without vLLM (e.g. an image with an older
+torch), as `python3 build/gpubench/run.py`. If this Python sees a GPU, the
+runner is started right away.
+
+Every package also holds `before`: the previous landed revision of the files
+the cases time. A kernel can beat the release and still be slower than its own
+last revision, so each run compares with both. It is the stack of the newest
+commit of this project (`git log -- patches/`) whose series gives those files
+other contents than `patched`, applied to the release in a scratch index with
+its own object folder (build/vllm is only read); `--before REV` names the
+project commit instead, `--before none` leaves it out.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from scripts.common import Layout, StackError, rel, say
+from scripts.stack.gitrepo import git
+from scripts.stack.pin import load_pin
+from scripts.stack.series import apply_to_index, read_series
+
+RUNNER_FILES = ("run.py", "stats.py", "timing.py")
+MANIFEST = "trees.json"
+BASELINE = "pristine"
+BEFORE = "before"
+# Project commits searched for the previous revision of the timed files.
+BEFORE_HISTORY = 100
+# A kernel file with a handful of Triton helpers; more means an import reached
+# the heavy parts of vLLM, which the package cannot hold.
+MAX_MODULES_PER_TREE = 40
+MAX_PACKAGE_BYTES = 16 * 2**20
+
+_TRITON_UTILS = '''\
+"""Stand-in for vllm.triton_utils, written by `python3 -m scripts gpubench`."""
+import triton
+import triton.language as tl
+import triton.language.extra.libdevice as tldevice
+
+HAS_TRITON = True
+'''
+
+_PLATFORMS = '''\
+"""Stand-in for vllm.platforms, written by `python3 -m scripts gpubench`."""
+import torch
+
+
+class _Platform:
+    def is_rocm(self) -> bool:
+        return torch.version.hip is not None
+
+    def is_cuda(self) -> bool:
+        return torch.version.cuda is not None and not self.is_rocm()
+
+    def is_cuda_alike(self) -> bool:
+        return True
+
+    def fp8_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fnuz if self.is_rocm() else torch.float8_e4m3fn
+
+
+current_platform = _Platform()
+'''
+
+_ROCM_PLATFORM = '''\
+"""Stand-in for vllm.platforms.rocm, written by `python3 -m scripts gpubench`."""
+import torch
+
+
+def _arch() -> str:
+    if torch.version.hip is None:
+        return ""
+    return torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+
+
+def on_gfx942() -> bool:
+    return _arch() == "gfx942"
+
+
+def on_gfx950() -> bool:
+    return _arch() == "gfx950"
+'''
+
+_MEM_UTILS = '''\
+"""Stand-in for vllm.utils.mem_utils, written by `python3 -m scripts gpubench`."""
+import torch
+
+
+def get_max_shared_memory_bytes(gpu: int = 0) -> int:
+    return torch.cuda.get_device_properties(gpu).shared_memory_per_block_optin
+'''
+
+
+@dataclass(frozen=True)
+class StandIn:
+    source: str
+    names: frozenset[str]  # what `from <module> import ...` may take
+    attributes: dict[str, frozenset[str]]  # name -> attributes the files may use
+
+
+STANDINS = {
+    "vllm.triton_utils": StandIn(
+        _TRITON_UTILS, frozenset({"triton", "tl", "tldevice", "HAS_TRITON"}), {}),
+    "vllm.platforms": StandIn(
+        _PLATFORMS, frozenset({"current_platform"}),
+        {"current_platform": frozenset({"is_rocm", "is_cuda", "is_cuda_alike"})}),
+    # Imported where a kernel file picks its tiles (vLLM's own queries).
+    "vllm.platforms.rocm": StandIn(_ROCM_PLATFORM, frozenset({"on_gfx942", "on_gfx950"}), {}),
+    "vllm.utils.mem_utils": StandIn(
+        _MEM_UTILS, frozenset({"get_max_shared_memory_bytes"}), {}),
+}
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    label: str
+    rev: str
+    commit: str  # a commit or a tree of the source repository
+    # Git environment to read it with (the before tree's scratch object folder).
+    git_env: tuple[tuple[str, str], ...] = ()
+
+    def manifest(self) -> dict[str, str]:
+        return {"label": self.label, "rev": self.rev, "commit": self.commit}
+
+
+def gpubench(layout: Layout, cases: list[str] | None, package: Path | None,
+             source: Path | None, revs: list[str], build_only: bool,
+             before: str = "auto") -> int:
+    source = source or layout.tree
+    package = package or layout.gpubench_package
+    runner = layout.gpu_benchmarks
+    trees = resolve_trees(source, load_pin(layout.pin_file).base_tag, revs)
+    names = cases or available_cases(runner)
+    with tempfile.TemporaryDirectory(prefix="k3-gpubench-objects-") as objects:
+        if before != "none" and all(t.label != BEFORE for t in trees):
+            files = sorted({f for name in names for f in case_files(runner, name)})
+            found = landed_before(layout, source, trees, files, Path(objects),
+                                  None if before == "auto" else before)
+            trees[1:1] = [found] if found else []
+        build_package(runner, source, trees, names, package)
+    size = sum(p.stat().st_size for p in package.rglob("*") if p.is_file())
+    say(f"built {rel(package, layout)} ({size // 1024} KiB): cases {', '.join(names)}; "
+        + ", ".join(f"{t.label} = {t.rev} ({t.commit[:12]})" for t in trees))
+    command = [sys.executable, str(package / "run.py")]
+    for name in cases or []:
+        command += ["--case", name]
+    if build_only:
+        return 0
+    if not _sees_a_gpu():
+        say("no GPU visible to this Python (torch with CUDA or ROCm): copy the folder to "
+            f"a GPU machine and run `python3 {rel(package, layout)}/run.py` there")
+        return 0
+    return subprocess.run(command).returncode
+
+
+def available_cases(runner: Path) -> list[str]:
+    return sorted(p.stem for p in (runner / "cases").glob("*.py"))
+
+
+def resolve_trees(source: Path, base_tag: str, revs: list[str]) -> list[TreeSpec]:
+    """pristine = the release tag, patched = HEAD, then each LABEL=REV."""
+    if not (source / ".git").exists():
+        raise StackError(f"{source} is not a git repository of vLLM: run `make apply` "
+                         "first, or name one with --source")
+    wanted = [(BASELINE, base_tag), ("patched", "HEAD")]
+    for item in revs:
+        label, sep, rev = item.partition("=")
+        if not sep or not label or not rev or not label.replace("-", "_").isidentifier():
+            raise StackError(f"--rev {item!r}: expected LABEL=REV, e.g. before=HEAD~1")
+        wanted.append((label, rev))
+    labels = [label for label, _ in wanted]
+    if len(set(labels)) != len(labels):
+        raise StackError(f"--rev: tree labels must differ from each other and from "
+                         f"{BASELINE!r} and 'patched': {', '.join(labels)}")
+    trees = []
+    for label, rev in wanted:
+        result = git(source, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}",
+                     check=False)
+        if result.returncode != 0:
+            raise StackError(f"{source}: no commit {rev!r} for tree {label!r}; "
+                             "name an existing revision")
+        trees.append(TreeSpec(label, rev, result.stdout.strip()))
+    return trees
+
+
+def landed_before(layout: Layout, source: Path, trees: list[TreeSpec], files: list[str],
+                  objects: Path, wanted: str | None) -> TreeSpec | None:
+    """The tree `before`: the newest landed stack (or the project commit
+    `wanted`) whose `files` differ from the patched tree's; None when the
+    project has no history here or no such revision."""
+    project = layout.root
+    if git(project, "rev-parse", "--git-dir", check=False).returncode != 0:
+        say(f"no tree {BEFORE!r}: {project} is not a git checkout, so the previous "
+            "revision of the timed files is unknown (pass --rev before=REV of build/vllm)")
+        return None
+    if wanted is not None:
+        found = git(project, "rev-parse", "--verify", "--quiet", f"{wanted}^{{commit}}",
+                    check=False)
+        if found.returncode != 0:
+            raise StackError(f"--before {wanted!r}: no such commit of this project; "
+                             "name one from `git log -- patches/`, or pass --before none")
+        commits = [found.stdout.strip()]
+    else:
+        commits = git(project, "log", f"-{BEFORE_HISTORY}", "--format=%H", "HEAD",
+                      "--", "patches/").stdout.split()
+    env = {"GIT_OBJECT_DIRECTORY": str(objects),
+           "GIT_ALTERNATE_OBJECT_DIRECTORIES": str((source / ".git" / "objects").resolve())}
+    pristine, patched = trees[0], next(t for t in trees if t.label == "patched")
+    current = _timed_sources(source, patched, files)
+    for commit in commits:
+        tree = _stack_at(project, commit, source, pristine.commit, env)
+        if tree is None:
+            continue
+        candidate = TreeSpec(BEFORE, f"project {commit[:9]}", tree, tuple(env.items()))
+        if wanted or _timed_sources(source, candidate, files) != current:
+            return candidate
+    say(f"no tree {BEFORE!r}: none of the last {len(commits)} project commits that changed "
+        f"patches/ has other sources for {', '.join(files)} and what they import")
+    return None
+
+
+def _stack_at(project: Path, commit: str, source: Path, base: str,
+              env: dict[str, str]) -> str | None:
+    """The tree of the project's stack at `commit` applied to `base`, or None
+    (said) where it does not apply."""
+    with tempfile.TemporaryDirectory(prefix="k3-gpubench-patches-") as scratch:
+        folder = Path(scratch) / "patches"
+        folder.mkdir()
+        # The series and the patch files: the blobs of patches/ itself.
+        for line in git(project, "ls-tree", commit, "patches/").stdout.splitlines():
+            meta, _, path = line.partition("\t")
+            if meta.split()[1] == "blob":
+                data = git(project, "show", f"{commit}:{path}", text=False).stdout
+                (folder / PurePosixPath(path).name).write_bytes(data)
+        try:
+            patches = read_series(Layout(Path(scratch)))
+        except StackError as e:
+            say(f"project commit {commit[:9]}: its patches/ cannot be read ({e}); skipped")
+            return None
+        applied = apply_to_index(source, base, patches, env)
+    if applied.tree is None:
+        say(f"project commit {commit[:9]}: its stack does not apply to the release; skipped")
+    return applied.tree
+
+
+def _timed_sources(source: Path, tree: TreeSpec, files: list[str]) -> dict[str, str]:
+    """What the package would hold of `tree`: the files it has and the vllm
+    modules they import."""
+    tracked = _tracked_files(source, tree)
+    return collect_modules(source, tree, tracked, [f for f in files if f in tracked])
+
+
+def case_files(runner: Path, name: str) -> tuple[str, ...]:
+    """The FILES a case module declares, read without importing it (no torch here)."""
+    path = runner / "cases" / f"{name}.py"
+    if not path.is_file():
+        raise StackError(f"no benchmark case {name!r}: expected {rel(path)} "
+                         f"(cases: {', '.join(available_cases(runner)) or 'none'})")
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "FILES"):
+            try:
+                files = ast.literal_eval(node.value)
+            except ValueError:
+                break
+            if isinstance(files, tuple) and all(isinstance(f, str) for f in files):
+                return files
+    raise StackError(f"{rel(path)} must set FILES to a tuple of vLLM file paths "
+                     "(see benchmarks/gpu/run.py)")
+
+
+def build_package(runner: Path, source: Path, trees: list[TreeSpec], cases: list[str],
+                  package: Path) -> None:
+    """Write the package to `package` all at once (a temporary folder renamed)."""
+    wanted = {name: case_files(runner, name) for name in cases}
+    files_by_tree = {}
+    for tree in trees:
+        tracked = _tracked_files(source, tree)
+        entries = [f for files in wanted.values() for f in files if f in tracked]
+        files_by_tree[tree.label] = collect_modules(source, tree, tracked, entries)
+    for name, files in wanted.items():
+        for f in files:
+            if not any(f in modules for modules in files_by_tree.values()):
+                raise StackError(f"benchmark case {name!r}: {f} is in none of the trees ("
+                                 + ", ".join(f"{t.label} = {t.rev}" for t in trees) + ")")
+    _refuse_foreign_folder(package)
+    package.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".gpubench-", dir=package.parent))
+    try:
+        for tree in trees:
+            _write_tree(staging / "trees" / tree.label, files_by_tree[tree.label])
+        for name in RUNNER_FILES:
+            shutil.copy2(runner / name, staging / name)
+        (staging / "cases").mkdir()
+        for name in cases:
+            shutil.copy2(runner / "cases" / f"{name}.py", staging / "cases")
+        manifest = {"cases": cases, "source": str(source),
+                    "trees": [t.manifest() for t in trees]}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+        if size > MAX_PACKAGE_BYTES:
+            raise StackError(f"the benchmark package would hold {size // 2**20} MiB, over "
+                             f"{MAX_PACKAGE_BYTES // 2**20} MiB: a case's FILES import too much")
+        old = None
+        if package.exists():
+            old = package.with_name(f"{staging.name}-old")
+            os.replace(package, old)
+        os.replace(staging, package)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _refuse_foreign_folder(package: Path) -> None:
+    if package.exists() and not (package / MANIFEST).is_file():
+        raise StackError(f"{package} exists and is not a benchmark package (no {MANIFEST}); "
+                         "name another folder with --package, or remove it")
+
+
+def _tracked_files(source: Path, tree: TreeSpec) -> set[str]:
+    out = git(source, "ls-tree", "-r", "--name-only", tree.commit, "--", "vllm",
+              env=dict(tree.git_env)).stdout
+    return set(out.splitlines())
+
+
+def _show(source: Path, tree: TreeSpec, path: str) -> str:
+    data = git(source, "show", f"{tree.commit}:{path}", text=False,
+               env=dict(tree.git_env)).stdout
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise StackError(f"tree {tree.label} ({tree.rev}): {path} is not UTF-8 (byte "
+                         f"{e.start}); Python source must be, so it cannot be benchmarked "
+                         "at that revision")
+
+
+def module_path(module: str, tracked: set[str]) -> str | None:
+    """The file of a vllm module at a revision: a .py file or a package's __init__."""
+    base = module.replace(".", "/")
+    for candidate in (f"{base}.py", f"{base}/__init__.py"):
+        if candidate in tracked:
+            return candidate
+    return None
+
+
+def collect_modules(source: Path, tree: TreeSpec, tracked: set[str],
+                    entries: list[str]) -> dict[str, str]:
+    """path -> source of the entry files and every vllm module they import,
+    with the stand-ins in place of the modules named in STANDINS."""
+    found: dict[str, str] = {}
+    todo = [(path, path) for path in entries]  # (file, chain that led to it)
+    while todo:
+        path, chain = todo.pop()
+        if path in found:
+            continue
+        text = _show(source, tree, path)
+        found[path] = text
+        if len(found) > MAX_MODULES_PER_TREE:
+            raise StackError(
+                f"tree {tree.label} ({tree.rev}): the files the benchmark cases call import "
+                f"more than {MAX_MODULES_PER_TREE} vllm modules ({chain}); the package takes "
+                "Triton kernel files with few vllm imports: give the heavy module a "
+                "stand-in in scripts/perf/gpubench.py STANDINS")
+        for module, names in vllm_imports(text, _module_name(path)):
+            if module in STANDINS:
+                _check_standin_use(tree, path, module, names, text)
+                continue
+            if any(module.startswith(f"{s}.") for s in STANDINS):
+                raise StackError(f"tree {tree.label} ({tree.rev}): {path} imports {module}, "
+                                 "which the benchmark's stand-ins do not provide; extend "
+                                 "STANDINS in scripts/perf/gpubench.py")
+            target = module_path(module, tracked)
+            if target is None:
+                raise StackError(f"tree {tree.label} ({tree.rev}): {path} imports {module}, "
+                                 "which is not in the tree")
+            todo.append((target, f"{chain} -> {target}"))
+            for name in names:  # `from vllm.a import b` may name the module vllm.a.b
+                submodule = module_path(f"{module}.{name}", tracked)
+                if submodule is not None:
+                    todo.append((submodule, f"{chain} -> {submodule}"))
+    return found
+
+
+def _module_name(path: str) -> str:
+    parts = PurePosixPath(path).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _check_standin_use(tree: TreeSpec, path: str, module: str, names: tuple[str, ...],
+                       text: str) -> None:
+    standin = STANDINS[module]
+    for name in names:
+        if name not in standin.names:
+            raise StackError(f"tree {tree.label} ({tree.rev}): {path} imports {name} from "
+                             f"{module}; the benchmark's stand-in provides only "
+                             f"{', '.join(sorted(standin.names))}: extend STANDINS in "
+                             "scripts/perf/gpubench.py")
+    for name, allowed in standin.attributes.items():
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == name and node.attr not in allowed):
+                raise StackError(f"tree {tree.label} ({tree.rev}): {path} uses "
+                                 f"{name}.{node.attr}; the stand-in for {module} provides "
+                                 f"{', '.join(sorted(allowed))}: extend STANDINS in "
+                                 "scripts/perf/gpubench.py")
+
+
+def vllm_imports(text: str, module: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(module, imported names) of every vllm import run when `module` is imported.
+
+    Imports under `if TYPE_CHECKING:` are left out; relative imports are
+    resolved against `module`.
+    """
+    out: list[tuple[str, tuple[str, ...]]] = []
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue  # its imports run only when it is called
+            if isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                out.extend((a.name, ()) for a in node.names if _is_vllm(a.name))
+            elif isinstance(node, ast.ImportFrom):
+                name = _absolute(node, module)
+                if _is_vllm(name):
+                    out.append((name, tuple(a.name for a in node.names)))
+            for block in _blocks(node):
+                visit(block)
+
+    visit(ast.parse(text).body)
+    return out
+
+
+def _blocks(node: ast.stmt) -> list[list[ast.stmt]]:
+    """The statement lists nested in a compound statement (if, try, with, class)."""
+    blocks = [getattr(node, field, []) for field in ("body", "orelse", "finalbody")]
+    blocks += [handler.body for handler in getattr(node, "handlers", [])]
+    return [b for b in blocks if isinstance(b, list)]
+
+
+def _is_vllm(name: str) -> bool:
+    return name == "vllm" or name.startswith("vllm.")
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+            or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _absolute(node: ast.ImportFrom, module: str) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module.split(".")[: -node.level] if node.level else []
+    return ".".join([*package, node.module] if node.module else package)
+
+
+def _write_tree(root: Path, modules: dict[str, str]) -> None:
+    files = dict(modules)
+    for name, standin in STANDINS.items():
+        files[f"{name.replace('.', '/')}/__init__.py"] = standin.source
+    for path in list(files):
+        for parent in PurePosixPath(path).parents:
+            if str(parent) != ".":
+                files.setdefault(f"{parent}/__init__.py", "")
+    for path, text in files.items():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+
+def _sees_a_gpu() -> bool:
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    try:
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                              timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False

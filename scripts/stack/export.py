@@ -1,0 +1,707 @@
+"""`make export SIGNOFF="Name <email>"`: the stack as vLLM pull requests, under build/export/.
+
+patches/ keeps the project's identity. vLLM's DCO check needs the person who
+submits, and it requires the Signed-off-by to match the commit's author, so
+each exported patch is authored and signed off by SIGNOFF; the project's
+sign-off is dropped and its identity kept as a Co-authored-by: trailer. The
+diff, subject, body and author date are unchanged.
+
+For patch k of the series, build/export/<kk>-<stem>/ holds
+- <stem>.patch: re-signed, `git am --keep-non-patch`-able onto the pristine
+  release after patches 1..k-1 (checked here: applied in a scratch index, the
+  series gives the same tree as build/vllm);
+- PR.md: the description in the PR template of the patched tree, filled from
+  the commit message, patches/notes/<stem>.md (optional free sections such as
+  "## Claims", "## Rationale", "## Hardware test plan") and the latest
+  `make test` results for that patch's tree (build/test-results/summary.json).
+build/export/COVER.md lists the series: order, what each patch needs, and
+which patches can go first (checked: they apply alone to the release, share
+no file with the patches before them and use nothing those add).
+
+All or nothing: the folder is staged next to build/export and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts.common import Layout, StackError, read_regular, rel, say, shown, warn
+from scripts.stack.apply import guard_tree, render_commit
+from scripts.stack.gitrepo import commits_since, git, is_stack_repo, read_state
+from scripts.stack.pin import load_pin
+from scripts.stack.series import Patch, read_series
+from scripts.testing.testcache import FORMAT, RESULTS, shown_date
+
+EXPORT = "export"
+TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
+NOTES = "notes"
+_TRAILER = re.compile(r"^[A-Za-z][A-Za-z0-9-]*: \S")
+# "Name <email>": a name without control or shell characters, a plausible address.
+_SIGNOFF = re.compile(r"^(?P<name>[^<>\"\\$`;|&(){}\[\]*?!#~^]+?) "
+                      r"<(?P<email>[A-Za-z0-9._%+-]+@(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,})>$")
+# Addresses nobody receives mail at (RFC 2606, RFC 6761).
+_RESERVED_DOMAINS = re.compile(
+    r"(^|\.)(example\.(com|net|org)|[^.]+\.(example|invalid|test|localhost))$", re.I)
+
+
+@dataclass(frozen=True)
+class Person:
+    name: str
+    email: str
+
+    def __str__(self) -> str:
+        return f"{self.name} <{self.email}>"
+
+
+def parse_signoff(value: str) -> Person:
+    usage = 'usage: make export SIGNOFF="Your Name <you@your.domain>"'
+    if not value.strip():
+        raise StackError("SIGNOFF is missing: the person who submits signs off each "
+                         f"patch; {usage}")
+    match = _SIGNOFF.match(value)
+    shown = ascii(value) if len(value) <= 120 else ascii(value[:117] + "...")
+    if (not match or not value.isprintable()  # no newline, tab or other control
+            or not any(ch.isalpha() for ch in match.group("name"))):
+        raise StackError(f"SIGNOFF {shown} is not `Name <email>` (a plain name, one "
+                         f"address in angle brackets); {usage}")
+    if _RESERVED_DOMAINS.search(match.group("email").split("@", 1)[1]):
+        raise StackError(f"SIGNOFF {shown}: {match.group('email')} is a reserved example "
+                         f"address, not one the DCO check can trust; {usage}")
+    return Person(match.group("name").strip(), match.group("email"))
+
+
+# --- the commit message and the notes file --------------------------------------
+
+
+@dataclass
+class Message:
+    """A commit message or notes file: subject, text before the first `## `
+    heading, and the sections under `## ` headings."""
+
+    subject: str
+    preamble: str
+    sections: list[tuple[str, str]]
+
+    @classmethod
+    def parse(cls, text: str) -> Message:
+        subject, _, body = text.strip("\n").partition("\n")
+        paragraphs = body.strip("\n").split("\n\n")
+        if paragraphs and all(_TRAILER.match(ln) for ln in paragraphs[-1].splitlines()):
+            paragraphs.pop()  # Signed-off-by and the like: not PR text
+        return cls(subject.strip(), *split_sections("\n\n".join(paragraphs)))
+
+    def take(self, *prefixes: str) -> list[tuple[str, str]]:
+        """Remove and return the sections whose heading starts with one of `prefixes`."""
+        taken = [s for s in self.sections if s[0].lower().startswith(prefixes)]
+        self.sections = [s for s in self.sections if s not in taken]
+        return taken
+
+
+def split_sections(markdown: str) -> tuple[str, list[tuple[str, str]]]:
+    """Text before the first `## ` heading, and (heading, text) per heading.
+
+    Headings inside fenced code blocks are text."""
+    preamble: list[str] = []
+    sections: list[tuple[str, list[str]]] = []
+    fenced = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        if not fenced and line.startswith("## "):
+            sections.append((line[3:].strip(), []))
+        elif sections:
+            sections[-1][1].append(line)
+        else:
+            preamble.append(line)
+    return ("\n".join(preamble).strip("\n"),
+            [(heading, "\n".join(lines).strip("\n")) for heading, lines in sections])
+
+
+def read_notes(layout: Layout, patch: Patch) -> Message:
+    """patches/notes/<patch>.md, if there is one. It goes into PR.md, which is
+    pasted in public: only a regular file in patches/notes/ itself is read,
+    never the target of a link (nor a FIFO, which would block)."""
+    folder = layout.patches_dir / NOTES
+    path = folder / f"{patch.path.stem}.md"
+    fix = "notes must be plain files in patches/notes/; replace it with one"
+    if folder.is_symlink():
+        raise StackError(f"{rel(folder, layout)} is a symlink; {fix}")
+    try:
+        data = read_regular(path, fix)
+    except FileNotFoundError:
+        return Message("", "", [])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise StackError(f"{rel(path, layout)} is not UTF-8 text; save it as UTF-8 and "
+                         "run `make export` again")
+    return Message("", *split_sections(text))
+
+
+# --- re-signing -----------------------------------------------------------------
+
+
+@contextmanager
+def scratch_objects(tree: Path) -> Iterator[dict[str, str]]:
+    """Git environment whose new objects go to a temporary store: nothing is
+    written into build/vllm, which is read through it as an alternate. (The
+    store is a `.export-*` folder in build/, which a killed run's successor
+    removes.)"""
+    with tempfile.TemporaryDirectory(prefix=".export-objects-", dir=tree.parent) as tmp:
+        yield {"GIT_OBJECT_DIRECTORY": tmp,
+               "GIT_ALTERNATE_OBJECT_DIRECTORIES": str((tree / ".git" / "objects").resolve())}
+
+
+def resign(tree: Path, commit: str, parent: str, submitter: Person,
+           objects: dict[str, str]) -> str:
+    """A copy of `commit` on `parent`, authored and signed off by `submitter`."""
+    author = git(tree, "log", "-1", "--format=%an <%ae>", commit).stdout.strip()
+    date = git(tree, "log", "-1", "--format=%ad", "--date=raw", commit).stdout.strip()
+    message = git(tree, "log", "-1", "--format=%B", commit).stdout
+    kept = [ln for ln in message.rstrip("\n").split("\n")
+            if ln.strip() != f"Signed-off-by: {author}"]
+    trailers = ([] if author == str(submitter) else ["--trailer", f"Co-authored-by: {author}"])
+    trailers += ["--trailer", f"Signed-off-by: {submitter}"]
+    message = git(tree, "interpret-trailers", "--if-exists", "addIfDifferent", *trailers,
+                  input="\n".join(kept).rstrip("\n") + "\n").stdout
+    env = {**objects, "GIT_AUTHOR_NAME": submitter.name, "GIT_AUTHOR_EMAIL": submitter.email,
+           "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}
+    tree_id = git(tree, "rev-parse", f"{commit}^{{tree}}").stdout.strip()
+    return git(tree, "commit-tree", tree_id, "-p", parent, "-F", "-", env=env,
+               input=message).stdout.strip()
+
+
+@contextmanager
+def scratch_index(tree: Path, base: str, objects: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A temporary index holding `base`, for `git apply --cached` trials."""
+    with tempfile.TemporaryDirectory(prefix=".export-index-", dir=tree.parent) as tmp:
+        env = {**objects, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git(tree, "read-tree", base, env=env)
+        yield env
+
+
+def applies(tree: Path, patch: Path, env: dict[str, str], check: bool = False) -> bool:
+    args = ["apply", "--cached", "--whitespace=nowarn"] + (["--check"] if check else [])
+    return git(tree, *args, str(patch), env=env, check=False).returncode == 0
+
+
+# --- what each patch needs ----------------------------------------------------------
+
+_DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
+_NEW_FILE = re.compile(r"^diff --git a/\S+ b/(\S+)\nnew file mode", re.M)
+_DEFINED = re.compile(r"^\+\s*(?:async\s+def|def|class)\s+([A-Za-z_]\w*)"
+                      r"|^\+([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
+_WORD = re.compile(r"[A-Za-z_]\w*")
+_BYTE_WORD = re.compile(rb"\w+")  # git grep -w's words: runs of [A-Za-z0-9_]
+
+
+@dataclass
+class PatchFacts:
+    files: set[str]
+    modules: set[str]  # dotted names of the .py modules it adds
+    defines: set[str]  # functions, classes and top-level names it adds
+    added_text: str  # its added lines
+
+    @classmethod
+    def of(cls, text: str) -> PatchFacts:
+        files = {p for pair in _DIFF_FILE.findall(text) for p in pair}
+        modules = set()
+        for path in _NEW_FILE.findall(text):
+            if path.endswith(".py"):
+                modules.add(path[:-3].removesuffix("/__init__").replace("/", "."))
+        defines = {a or b for a, b in _DEFINED.findall(text)}
+        added = "\n".join(ln[1:] for ln in text.splitlines()
+                          if ln.startswith("+") and not ln.startswith("+++"))
+        return cls(files, modules, defines, added)
+
+
+@dataclass
+class Needs:
+    """The earlier patches (1-based) one patch needs, and why."""
+
+    patches: list[int]
+    reasons: list[str]  # one per patch it builds on directly
+
+
+def requirements(tree: Path, base: str, patch_files: list[Path],
+                 objects: dict[str, str]) -> list[Needs]:
+    """Per patch, the earlier ones it needs: those it shares a file with or whose
+    modules, functions or classes it uses, and what those need in turn; checked
+    by applying just them and it, in order, to the release. A patch that does not
+    apply so needs every patch before it."""
+    facts = [PatchFacts.of(p.read_text(errors="replace")) for p in patch_files]
+    new_names = _names_new_to(tree, base, set().union(*(f.defines for f in facts)))
+    result: list[Needs] = []
+    for k, (path, mine) in enumerate(zip(patch_files, facts)):
+        used_words = set(_WORD.findall(mine.added_text)) - mine.defines
+        direct: dict[int, str] = {}
+        for j, theirs in enumerate(facts[:k]):
+            uses = sorted({m for m in theirs.modules if _imports(mine.added_text, m)}
+                          | (used_words & new_names & theirs.defines))
+            shared = sorted(mine.files & theirs.files)
+            evidence = ([f"uses {_some(uses)} of #{j + 1}"] if uses else []) + (
+                [f"changes {_some(shared)} after #{j + 1}"] if shared else [])
+            if evidence:
+                direct[j] = " and ".join(evidence)
+        # 0-based, like `direct`: the patches it builds on and theirs in turn.
+        needed = set(direct).union(*({n - 1 for n in result[j].patches} for j in direct))
+        with scratch_index(tree, base, objects) as env:
+            applies_so = all(applies(tree, patch_files[j], env) for j in sorted(needed))
+            applies_so = applies_so and applies(tree, path, env, check=True)
+        if not applies_so:
+            needed = set(range(k))
+            direct = {k - 1: f"applies to {base} only after #1-#{k}"}
+        result.append(Needs(sorted(j + 1 for j in needed), list(direct.values())))
+    return result
+
+
+def _imports(text: str, module: str) -> bool:
+    """Whether `text` names `module` (dotted, as a path, or `from package import leaf`)."""
+    if module in text or module.replace(".", "/") + ".py" in text:
+        return True
+    package, _, leaf = module.rpartition(".")
+    return bool(package) and re.search(
+        rf"from\s+{re.escape(package)}\s+import\s+\(?[\w\s,]*\b{re.escape(leaf)}\b",
+        text) is not None
+
+
+def _names_new_to(tree: Path, base: str, names: set[str]) -> set[str]:
+    """The names that appear nowhere in the pristine release (dunders are never new).
+
+    The release is read once and split into words (as `git grep -w` sees them):
+    a `git grep` of a few hundred names over it takes minutes, this seconds."""
+    candidates = {n.encode() for n in names if not n.startswith("__")}
+    if not candidates:
+        return set()
+    found: set[bytes] = set()
+    for blob in _blobs(tree, base):
+        found |= candidates.intersection(_BYTE_WORD.findall(blob))
+    return {n.decode() for n in candidates - found}
+
+
+def _blobs(tree: Path, rev: str) -> Iterator[bytes]:
+    """The contents of every file of `rev` (all of them: `git archive` would honour
+    export-ignore attributes)."""
+    listing = git(tree, "ls-tree", "-r", "-z", rev).stdout
+    ids = [entry.split(None, 3)[2] for entry in listing.split("\0")
+           if entry and entry.split(None, 2)[1] == "blob"]
+    out = git(tree, "cat-file", "--batch", input=("\n".join(ids) + "\n").encode(),
+              text=False).stdout
+    position = 0
+    for _ in ids:  # each: "<id> blob <size>\n<content>\n"
+        header_end = out.index(b"\n", position)
+        size = int(out[position:header_end].split()[2])
+        yield out[header_end + 1:header_end + 1 + size]
+        position = header_end + 1 + size + 1
+
+
+# --- figures and the commit that measured them ------------------------------------
+
+# How a message or notes file names the project commit a figure was measured on
+# (wrapped text may break the name over lines).
+_MEASURED_AT = re.compile(r"\b(project\s+commit)\s+([0-9a-f]{7,40})\b")
+
+
+def _code(patch_file: bytes) -> bytes:
+    """A patch file's diff: what its figures measured (its message can change freely)."""
+    start = patch_file.find(b"\ndiff --git ")
+    end = patch_file.rfind(b"\n-- \n")
+    return patch_file[start:end if end > start else None] if start >= 0 else b""
+
+
+def stale_commits(layout: Layout, patch: Patch, text: str) -> list[str]:
+    """The project commits `text` names as where its figures were measured, at
+    which this patch's diff was not what it is now (or cannot be read)."""
+    now = _code(patch.read())
+    stale = []
+    for sha in dict.fromkeys(m.group(2) for m in _MEASURED_AT.finditer(text)):
+        then = git(layout.root, "show", f"{sha}:{rel(patch.path, layout)}", check=False,
+                   text=False)
+        if then.returncode != 0 or _code(then.stdout) != now:
+            stale.append(sha)
+    return stale
+
+
+def mark_stale(text: str, stale: list[str]) -> str:
+    """Each mention of a stale measuring commit, flagged where the reader sees it."""
+    def flag(m: re.Match) -> str:
+        if m.group(2) not in stale:
+            return m.group(0)
+        return (f"{m.group(0)} (**stale**: this PR's code changed after that "
+                "measurement)")
+    return _MEASURED_AT.sub(flag, text)
+
+
+# --- PR.md and COVER.md ---------------------------------------------------------------
+
+
+def pr_description(template: str, message: Message, notes: Message,
+                   validation: str) -> tuple[str, list[str]]:
+    """The template with each known `## ` section filled, and the headings left as they are.
+
+    Every section of the message and the notes lands somewhere (they are consumed)."""
+    opening = [message.preamble] if message.preamble else []
+    purpose = "\n\n".join(opening + [text for _, text in message.take("purpose")])
+    overview, background = _lead(purpose)
+    claims = "\n\n".join(text for _, text in notes.take("claims"))
+    if not claims:
+        claims = f"- {_title(message.subject)}."
+    plans = message.take("test plan")
+    results = message.take("test result")
+    hardware = message.take("hardware") + notes.take("hardware")
+    details = ([("Background", background)] if background else []) + message.sections
+    details += notes.sections
+    filled = {
+        "overview": overview or _title(message.subject),
+        "claims": claims,
+        "validation": _join(plans + results + [("Automated checks", validation)] + hardware),
+        "details": _collapsed(_notes_lead(notes.preamble), _join(details)),
+    }
+    return _fill(template, filled)
+
+
+def _lead(purpose: str) -> tuple[str, str]:
+    """The purpose's first paragraph (with what it introduces, when it ends on a
+    colon: a list is not cut from its lead-in), and the rest."""
+    paragraphs = purpose.split("\n\n")
+    n = 1
+    while n < len(paragraphs) and paragraphs[n - 1].rstrip().endswith(":"):
+        n += 1
+    return "\n\n".join(paragraphs[:n]), "\n\n".join(paragraphs[n:])
+
+
+def _notes_lead(preamble: str) -> str:
+    """The notes' text before their first section, without a title line of
+    their own (the PR has its title)."""
+    return "\n".join(ln for ln in preamble.splitlines() if not ln.startswith("# ")).strip()
+
+
+def _collapsed(*parts: str) -> str:
+    """Background, design and evidence, folded away: the PR shows purpose,
+    claims and validation first, as vLLM's reviewers read it."""
+    text = "\n\n".join(p for p in parts if p)
+    if not text:
+        return ""
+    return (f"<details>\n<summary>Background, design and evidence</summary>\n\n{text}\n\n"
+            "</details>")
+
+
+def _hex(commit: str) -> str:
+    """A commit id as git takes it (setuptools-scm writes it with a "g" in front)."""
+    return commit[1:] if re.fullmatch(r"g[0-9a-f]{7,40}", commit) else commit
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(f"`{n}`" for n in names[:shown]) + more
+
+
+def _numbers(patches: list[int]) -> str:
+    """[1, 2, 3, 5] -> "#1-#3, #5"."""
+    runs: list[list[int]] = []
+    for n in patches:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"#{r[0]}" if len(r) == 1 else f"#{r[0]}-#{r[-1]}" for r in runs)
+
+
+def _title(subject: str) -> str:
+    return re.sub(r"^(\[[^][]+\])+ +", "", subject)
+
+
+def _join(sections: list[tuple[str, str]]) -> str:
+    return "\n\n".join(f"### {heading}\n\n{text}" for heading, text in sections if text)
+
+
+def _fill(template: str, filled: dict[str, str]) -> tuple[str, list[str]]:
+    out: list[str] = []
+    unfilled: list[str] = []
+    section = None
+    for line in template.splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip().lower()
+            if section in filled:
+                out += [line, "", filled[section], ""]
+                continue
+            unfilled.append(line[3:].strip())
+        if line.strip() == "---" or line.startswith("<details"):
+            section = None  # the checklist: kept as it is, ticked by the submitter
+        if section in filled:
+            continue  # the template's guidance comment, replaced by the content
+        out.append(line)
+    return "\n".join(out).rstrip("\n") + "\n", unfilled
+
+
+def validation_text(summary: dict | None, tree_of_patch: str, k: int,
+                    n: int) -> tuple[str, str | None]:
+    """The `make test` results for the tree after patch k, and what is missing if none."""
+    scope = (f"the tree after this PR (patches 1-{k} of the {n}-patch series, "
+             "as it lands in that order)")
+    if summary is None:
+        missing = "no `make test` result is recorded: run `make test`, then `make export`"
+        return f"_{missing[0].upper()}{missing[1:]}._", missing
+    rows = [r for r in summary["rows"] if r["vllm_tree"] == tree_of_patch]
+    if not rows:
+        missing = (f"the latest `make test` ({shown_date(summary['started'])}) did not test "
+                   "this patch's tree: run `make test`, then `make export`")
+        return f"_{missing[0].upper()}{missing[1:]}._", missing
+    emulated = any(_ROCM_PLUGIN in p["command"] for r in rows for p in r["parts"])
+    platforms = ("on CPU, and again under vLLM's RocmPlatform emulated on CPU (gfx942), "
+                 "where the ROCm-only tests that need no GPU run" if emulated else
+                 "on CPU only, where the ROCm-only tests are skipped")
+    lines = [f"`make test` of the K3 DSpark patch stack on {scope}, {platforms} (no GPU):", "",
+             "| check | in | platform | passed | failed | skipped | run |",
+             "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for row in rows:
+        for part in row["parts"]:
+            date = shown_date((part["reused"] or {}).get("date") or summary["started"])
+            where = "vLLM tree" if part["where"].startswith("build/") else "patch-stack project"
+            command, platform = _shown(part["command"])
+            lines.append(f"| `{command}` | {where} | {platform} | {part['passed']} | "
+                         f"{part['failed']} | {part['skipped']} | {date} |")
+    failed = sum(r["failed"] for r in rows)
+    return "\n".join(lines), (f"{failed} check(s) failed in the latest `make test` of its "
+                              "tree" if failed else None)
+
+
+_ROCM_PLUGIN = "-p rocm_emulation.plugin"
+
+
+def _shown(command: str) -> tuple[str, str]:
+    """A recorded command as a PR quotes it: pytest and its arguments (the
+    project's PYTHONPATH and venv are no business of upstream's), and its platform."""
+    if " -m pytest " not in command:
+        return command, "CPU"
+    pytest = "pytest " + command.split(" -m pytest ", 1)[1].replace(" -p no:cacheprovider", "")
+    if _ROCM_PLUGIN in pytest:
+        return pytest.replace(" " + _ROCM_PLUGIN, ""), "emulated ROCm"
+    return pytest, "CPU"
+
+
+def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[dict],
+          summary: dict | None) -> str:
+    first = [e for e in entries[1:] if not e["needs"].patches]
+    lines = [f"# K3 DSpark drafter on ROCm: {len(entries)} pull requests for vLLM", "",
+             f"Base: vLLM {pin_version} (upstream commit `{_hex(pin_commit)}`). Every patch is "
+             f"authored and signed off by {submitter}; the project's identity stays as "
+             "`Co-authored-by:`.", "",
+             "Send them in this order: `make test` tests the tree after each prefix of it. "
+             "What a patch needs is read from the patches: the earlier ones it changes a "
+             "file of or whose modules, functions or classes it uses, and what those need "
+             "in turn; it applies to the release after just those.", "",
+             "| # | pull request | folder | needs |", "| ---: | --- | --- | --- |"]
+    for e in entries:
+        lines.append(f"| {e['k']} | {e['subject']} | `{e['folder']}/` | "
+                     f"{_numbers(e['needs'].patches) or 'nothing'} |")
+    lines.append("")
+    why = [f"- #{e['k']} needs {_numbers(e['needs'].patches)}: it "
+           + "; ".join(e["needs"].reasons) + "." for e in entries if e["needs"].patches]
+    if why:
+        lines += ["Why:", "", *why, ""]
+    if first:
+        lines += ["Can go first, on the release alone (they apply to it, change no file "
+                  "of the patches before them and use nothing those add):", ""]
+        lines += [f"- #{e['k']} `{e['folder']}`" for e in first]
+        lines.append("")
+    else:
+        lines += ["No patch after the first can go on the release alone.", ""]
+    if summary:
+        totals = summary["totals"]
+        lines += [f"Tested: `make test` of {shown_date(summary['started'])} on "
+                  f"`{summary['vllm']['describe']}`: {totals['passed']} passed, "
+                  f"{totals['failed']} failed, {totals['skipped']} skipped "
+                  f"({summary['rows_reused']} of {len(summary['rows'])} rows reused from "
+                  "earlier green runs with the same inputs).", ""]
+    lines += ["To open PR k: on a branch at the upstream commit (or at PR k-1), "
+              "`git am --keep-non-patch <folder>/<name>.patch`, push, and paste "
+              "`<folder>/PR.md` as the description.", "",
+              "The checklist at the end of each PR.md is left unticked: it asks for the "
+              "submitter's own judgment. vLLM's contributing guide also asks to disclose "
+              "AI assistance (a note in the PR and a `Co-authored-by:` trailer) where it "
+              "applies."]
+    return "\n".join(lines) + "\n"
+
+
+# --- the command ------------------------------------------------------------------
+
+
+def export_for_upstream(layout: Layout, signoff: str) -> None:
+    submitter = parse_signoff(signoff)
+    tree = layout.tree
+    if not is_stack_repo(tree):
+        raise StackError(f"{rel(tree, layout)} does not exist; run `make apply` first")
+    guard_tree(layout, "`make export`")
+    patches = read_series(layout)
+    base = read_state(tree)["base_tag"]
+    commits = commits_since(tree, base)
+    if len(commits) != len(patches) or any(
+            render_commit(layout, c) != p.read() for c, p in zip(commits, patches)):
+        raise StackError(f"{rel(tree, layout)} does not hold patches/series as it is now; "
+                         "run `make apply` (or `make patches` to export your commits), "
+                         "then `make export` again")
+    for commit, patch in zip(commits, patches):
+        _refuse_non_utf8(tree, commit, patch)
+    template = git(tree, "show", f"HEAD:{TEMPLATE}", check=False)
+    if template.returncode != 0:
+        raise StackError(f"{rel(tree, layout)} has no {TEMPLATE} to fill; the PR "
+                         "descriptions follow the template of the patched vLLM")
+    pin = load_pin(layout.pin_file)
+    summary = _latest_summary(layout)
+    layout.build_dir.mkdir(exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=layout.build_dir))
+    say(f"exporting {len(patches)} patch(es) for {submitter}")
+    try:
+        entries = _write_pr_folders(layout, staging, patches, commits, base, submitter,
+                                template.stdout, summary)
+        (staging / "COVER.md").write_text(cover(pin.version, pin.commit, submitter,
+                                                entries, summary))
+        _replace(staging, layout.build_dir / EXPORT)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    say(f"exported {len(patches)} patch(es), signed off by {submitter}, to "
+        f"{rel(layout.build_dir / EXPORT, layout)}/ (read COVER.md first)")
+
+
+_ESCAPED = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as common.run escapes it
+
+
+def _refuse_non_utf8(tree: Path, commit: str, patch: Patch) -> None:
+    """Author and message go into the PR as text: they must be UTF-8 (git keeps
+    whatever bytes it was given; they arrive here surrogate-escaped)."""
+    meta = git(tree, "log", "-1", "--format=%an <%ae>%n%B", commit).stdout
+    if bad := next((ln for ln in meta.splitlines() if _ESCAPED.search(ln)), None):
+        raise StackError(f"{patch.name}: the author or message of commit {commit[:12]} is "
+                         f"not UTF-8 (in {shown(bad)}); fix it in build/vllm "
+                         "(`git commit --amend` at that commit, in a `git rebase -i`), run "
+                         "`make patches`, then `make export`")
+
+
+def _latest_summary(layout: Layout) -> dict | None:
+    """build/test-results/summary.json if it is in the current format; None if
+    there is none (or an older `make test` wrote it). A damaged one is an error:
+    PR.md must not say "no result is recorded" when one is, unreadable."""
+    path = layout.build_dir / RESULTS / "summary.json"
+    damaged = (f"{rel(path, layout)} is damaged ({{}}); run `make test` (it writes the "
+               "file again), then `make export`")
+    try:
+        summary = json.loads(read_regular(path, "it is written by `make test`"))
+    except FileNotFoundError:
+        return None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StackError(damaged.format(e))
+    if not isinstance(summary, dict):
+        raise StackError(damaged.format("not a JSON object"))
+    if summary.get("format") != FORMAT:
+        return None
+    if problem := _summary_problem(summary):
+        raise StackError(damaged.format(problem))
+    return summary
+
+
+def _summary_problem(summary: dict) -> str | None:
+    """What is missing or mistyped among the fields PR.md and COVER.md read."""
+    def typed(value, kind, where):
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else
+                                                      (kind,)))
+            raise TypeError(f"{where} is {type(value).__name__}, not {names}")
+        return value
+    try:
+        typed(summary.get("started"), str, "started")
+        typed(summary.get("rows_reused"), int, "rows_reused")
+        typed(typed(summary.get("vllm"), dict, "vllm").get("describe"), str, "vllm.describe")
+        totals = typed(summary.get("totals"), dict, "totals")
+        for n, row in enumerate(typed(summary.get("rows"), list, "rows")):
+            typed(row, dict, f"rows[{n}]")
+            typed(row.get("vllm_tree"), (str, type(None)), f"rows[{n}].vllm_tree")
+            typed(row.get("failed"), int, f"rows[{n}].failed")
+            for m, part in enumerate(typed(row.get("parts"), list, f"rows[{n}].parts")):
+                typed(part, dict, f"rows[{n}].parts[{m}]")
+                if (reused := part.get("reused")) is not None:
+                    typed(typed(reused, dict, f"rows[{n}].parts[{m}].reused").get("date", ""),
+                          str, f"rows[{n}].parts[{m}].reused.date")
+                for key, kind in (("where", str), ("command", str), ("passed", int),
+                                  ("failed", int), ("skipped", int)):
+                    typed(part.get(key), kind, f"rows[{n}].parts[{m}].{key}")
+        for key in ("passed", "failed", "skipped"):
+            typed(totals.get(key), int, f"totals.{key}")
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
+                      commits: list[str], base: str, submitter: Person, template: str,
+                      summary: dict | None) -> list[dict]:
+    """One folder per patch under `staging`: the re-signed patch and its PR.md."""
+    tree = layout.tree
+    width = max(2, len(str(len(patches))))
+    entries = []
+    problems: dict[str, list[int]] = {}  # what the submitter must know -> patch numbers
+    with scratch_objects(tree) as objects, scratch_index(tree, base, objects) as index:
+        parent = git(tree, "rev-parse", base).stdout.strip()
+        for k, (patch, commit) in enumerate(zip(patches, commits), start=1):
+            folder = f"{k:0{width}d}-{patch.path.stem}"
+            (staging / folder).mkdir()
+            parent = resign(tree, commit, parent, submitter, objects)
+            out = staging / folder / patch.name
+            out.write_bytes(render_commit(layout, parent, env=objects))
+            tree_of_patch = git(tree, "rev-parse", f"{commit}^{{tree}}").stdout.strip()
+            # The file itself, applied after the ones before it, gives the patched tree.
+            if not (applies(tree, out, index)
+                    and git(tree, "write-tree", env=index).stdout.strip() == tree_of_patch):
+                raise StackError(f"{patch.name}: the re-signed patch does not reproduce "
+                                 f"commit {commit[:12]} of {rel(tree, layout)}; nothing "
+                                 "was exported (please report this)")
+            message = Message.parse(git(tree, "log", "-1", "--format=%B", commit).stdout)
+            notes = read_notes(layout, patch)
+            if not any(h.lower().startswith("claims") for h, _ in notes.sections):
+                problems.setdefault(f"no '## Claims' in {rel(layout.patches_dir, layout)}/"
+                                    f"{NOTES}/<patch>.md: PR.md claims the title only",
+                                    []).append(k)
+            validation, missing = validation_text(summary, tree_of_patch, k, len(patches))
+            if missing:
+                problems.setdefault(missing, []).append(k)
+            description, unfilled = pr_description(template, message, notes, validation)
+            if stale := stale_commits(layout, patch, description):
+                description = mark_stale(description, stale)
+                problems.setdefault(
+                    "figures measured on a project commit where this patch's code was "
+                    "different are marked stale in PR.md (measure again and cite the "
+                    "commit)", []).append(k)
+            for heading in unfilled:
+                problems.setdefault(f"PR.md leaves the template's {heading!r} section "
+                                    "for you to fill", []).append(k)
+            (staging / folder / "PR.md").write_text(description)
+            entries.append({"k": k, "folder": folder, "subject": message.subject,
+                            "file": out})
+            say(f"  [{k}/{len(patches)}] {folder}/: re-signed, reproduces its commit, PR.md")
+        say("  which patches can go first: each tried alone on the release")
+        needs = requirements(tree, base, [e["file"] for e in entries], objects)
+    for problem, numbers in problems.items():
+        warn(f"{problem} (patch {', '.join(map(str, numbers))})")
+    for entry, need in zip(entries, needs):
+        entry["needs"] = need
+    return entries
+
+
+def _replace(staging: Path, target: Path) -> None:
+    """Put `staging` at `target` by renames, so a reader sees the old or the new folder."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}-old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(staging, target)
+    if old:
+        shutil.rmtree(old)
