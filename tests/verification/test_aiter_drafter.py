@@ -1,7 +1,7 @@
-"""The ROCm K3 DSpark drafter in the AITER FP8 BMM regime on emulated MI300.
+"""The ROCm K3 DSpark drafter in the AITER FP8 BMM regime on emulated MI300 and MI355.
 
-``VLLM_ROCM_USE_AITER=1`` and ``VLLM_ROCM_USE_AITER_FP8BMM=1`` on gfx942, the
-other AITER features that need HIP kernels off by their own flags, checked
+``VLLM_ROCM_USE_AITER=1`` and ``VLLM_ROCM_USE_AITER_FP8BMM=1`` on gfx942 and on
+gfx950 (every test runs on both: ``arch``), the other AITER features that need HIP kernels off by their own flags, checked
 doubles where vLLM has none (``harness/aiter_drafter.py`` says which and why).
 The drafter is the class vLLM's registry gives ``K3DSparkModel`` on ROCm
 (``vllm/models/kimi_k3/amd/dspark_mla.py``), built and loaded on the synthetic
@@ -10,16 +10,17 @@ checkpoint of ``harness/drafter.py`` (2 draft layers, 4 heads, kv_lora_rank
 
 Processes:
 
-* ``regime``: an AITER-on zygote, Triton compiled for gfx942 but compiling
+* ``regime``: an AITER-on zygote, Triton compiled for the arch but compiling
   and launching nothing (each launch's kernel cache key is recorded): load,
   the 1..1024 pre-compile loop in full, launch counts;
-* ``rocm``: the usual AITER-off zygote, for the launch counts without AITER;
+* ``rocm``/``rocm950``: the usual AITER-off zygotes, for the launch counts
+  without AITER;
 * two interpreter workers, AITER on and AITER off, running aiter's and
   vLLM's Triton kernels in Triton's interpreter: draft logits and tokens.
 
 Tolerance of the logits (AITER on against AITER off, same checkpoint, same
 inputs). The only arithmetic that differs is the absorb: both BMMs of each
-layer take fp8 (e4m3fnuz) operands, the weight per tensor, the activation per
+layer take fp8 (e4m3fnuz on gfx942, e4m3fn on gfx950) operands, the weight per tensor, the activation per
 token group of 128. e4m3 keeps 3 mantissa bits, so each operand's relative
 rounding error is at most 2**-4 and the product's relative (Frobenius) error
 stays under 2**-4 (deliverable 1 measured 0.036 RMS at K3's sizes). That
@@ -47,7 +48,6 @@ from tests.verification.harness import aiter_drafter as R
 from tests.verification.harness import drafter as D
 from tests.verification.harness.zygote import Zygote
 
-FP8 = "torch.float8_e4m3fnuz"
 ABSORB_SITES = {"forward_impl", "_v_up_proj"}  # MLAAttention's two absorbs
 LOGITS_TOL = 2.0**-4
 HIDDEN_TOL = 2.0**-3
@@ -55,13 +55,25 @@ CACHES = ("auto", "fp8")
 DERIVED = {"W_K", "W_K_scale", "W_V", "W_V_scale", "W_UK_T", "W_UV"}
 
 
+@pytest.fixture(scope="module", params=R.ARCHES)
+def arch(request) -> str:
+    """The emulated GPU: gfx942 (MI300) or gfx950 (MI355)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def regime():
-    zygote = Zygote(R.MODE, aiter=True)
+def regime(arch):
+    zygote = Zygote(f"rocm-{arch}", aiter=True)
     try:
         yield zygote
     finally:
         zygote.close()
+
+
+@pytest.fixture(scope="module")
+def aiter_off(arch, request):
+    """The session's AITER-off zygote of the same arch."""
+    return request.getfixturevalue({"gfx942": "rocm", "gfx950": "rocm950"}[arch])
 
 
 # --- 1. build and load -----------------------------------------------------------
@@ -134,8 +146,9 @@ def _relative(got: torch.Tensor, exact: torch.Tensor) -> float:
     return float((got - exact).norm() / exact.norm())
 
 
-def test_drafter_loads_in_the_fp8_bmm_regime(regime, record_property):
+def test_drafter_loads_in_the_fp8_bmm_regime(regime, arch, record_property):
     r = regime.call(load_job)
+    fp8 = str(R.FP8_DTYPES[arch])
     assert r["class"] == "vllm.models.kimi_k3.amd.dspark_mla.K3DSparkForCausalLM"
     assert r["registry"] == "vllm.models.kimi_k3.amd.dspark_mla"
     assert not r["missing"], r["missing"]
@@ -144,8 +157,8 @@ def test_drafter_loads_in_the_fp8_bmm_regime(regime, record_property):
     for layer in r["layers"]:
         assert layer["fp8bmm"] is True and not layer["fp4bmm"], layer
         # (heads, L, P) and (heads, V, L): kv_lora_rank 32, nope 16, v 16, 4 heads.
-        assert layer["W_K"] == (FP8, (4, 32, 16)), layer
-        assert layer["W_V"] == (FP8, (4, 16, 32)), layer
+        assert layer["W_K"] == (fp8, (4, 32, 16)), layer
+        assert layer["W_V"] == (fp8, (4, 16, 32)), layer
         assert not layer["W_UK_T"], "the bf16 absorb weight was kept"
         # One per-tensor e4m3 rounding: at most 2**-4 relative per element.
         for key in ("W_K_error", "W_V_error"):
@@ -211,10 +224,10 @@ def launch_job() -> dict:
     }
 
 
-def test_absorb_launches_aiters_fp8_bmm(regime, rocm, record_property):
+def test_absorb_launches_aiters_fp8_bmm(regime, aiter_off, record_property):
     with ThreadPoolExecutor(2) as pool:
         on_future = pool.submit(regime.call, launch_job)
-        off = rocm.call(launch_job)
+        off = aiter_off.call(launch_job)
         on = on_future.result()
     triton_bmm = f"triton::{R.FP8_BMM_KERNEL}"
     for phase, counts in on["counts"].items():
@@ -301,9 +314,9 @@ def _counting_fused_rope_cache():
 
 
 @pytest.fixture(scope="module")
-def numerics() -> dict:
+def numerics(arch) -> dict:
     def run(world):
-        with R.interpreter_pool(world) as pool:
+        with R.interpreter_pool(world, arch) as pool:
             return dict(zip(CACHES, pool.map(numerics_job, CACHES), strict=True))
 
     with ThreadPoolExecutor(2) as threads:
@@ -368,7 +381,7 @@ def test_draft_logits_and_tokens_agree_with_aiter_off(numerics, cache, record_pr
 
 @pytest.mark.parametrize("cache", CACHES)
 def test_fused_rope_and_cache_write_match_the_unfused_path(
-    numerics, cache, record_property
+    numerics, arch, cache, record_property
 ):
     """With AITER on, each draft layer rotates q_pe and k_pe and writes its
     cache rows in one launch of aiter's Triton fused_qk_rope_cat_and_cache_mla
@@ -408,14 +421,22 @@ def test_fused_rope_and_cache_write_match_the_unfused_path(
         assert torch.equal(on["base_logits"], unfused["base_logits"])
         return
     rank = D.DIMS["kv_lora_rank"]
+    fp8 = R.FP8_DTYPES[arch]
+    # The slots the step wrote (context, then block); the others keep the
+    # harness's sentinel bytes, in both paths alike (NaN as e4m3fn).
+    written = R.CONTEXT_TOKENS + R.BLOCK_TOKENS
+    for a, b in zip(on["caches"], unfused["caches"], strict=True):
+        assert torch.equal(a.flatten(0, -2)[written:], b.flatten(0, -2)[written:])
     fused_caches, unfused_caches = (
-        [c.view(torch.float8_e4m3fnuz).float() for c in caches]
+        [c.view(fp8).flatten(0, -2)[:written].float() for c in caches]
         for caches in (on["caches"], unfused["caches"])
     )
     first, first_unfused = fused_caches[0], unfused_caches[0]
     assert torch.equal(first[..., :rank], first_unfused[..., :rank])
-    # One step: 2**-3 of the value, 2**-10 (e4m3fnuz's subnormal step) near 0.
-    torch.testing.assert_close(first, first_unfused, rtol=2.0**-3, atol=2.0**-10)
+    # One step: 2**-3 of the value, the subnormal step near 0 (an eighth of the
+    # smallest normal: 2**-10 in e4m3fnuz, 2**-9 in e4m3fn).
+    subnormal_step = torch.finfo(fp8).smallest_normal * 2.0**-3
+    torch.testing.assert_close(first, first_unfused, rtol=2.0**-3, atol=subnormal_step)
     for fused_cache, unfused_cache in zip(fused_caches, unfused_caches):
         assert _relative(fused_cache, unfused_cache) <= 2.0**-4
     assert hidden_error <= 2.0**-4 and logits_error <= 2.0**-4

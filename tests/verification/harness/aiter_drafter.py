@@ -1,11 +1,13 @@
 """The ROCm K3 DSpark drafter in the AITER BMM regime (issue 29, deliverable 2).
 
-The regime is what an MI300 (gfx942) user gets with ``VLLM_ROCM_USE_AITER=1``
-and ``VLLM_ROCM_USE_AITER_FP8BMM=1``: the MLA absorb BMMs (W_K before the
-attention, W_V after it) run aiter's Triton
+The regime is what an MI300 (gfx942) or MI355 (gfx950) user gets with
+``VLLM_ROCM_USE_AITER=1`` and ``VLLM_ROCM_USE_AITER_FP8BMM=1``: the MLA absorb
+BMMs (W_K before the attention, W_V after it) run aiter's Triton
 ``batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant``
-on fp8 (e4m3fnuz) weights that ``MLAAttention.process_weights_after_loading``
-quantizes, and pre-compiles for batch sizes 1..1024.
+on fp8 weights (the platform's: e4m3fnuz on gfx942, e4m3fn on gfx950) that
+``MLAAttention.process_weights_after_loading`` quantizes, and pre-compiles for
+batch sizes 1..1024. MI355's FP4 BMM regime needs aiter's
+``batched_gemm_a16wfp4``, which the pinned aiter does not have.
 
 Everything else AITER would switch on needs aiter's HIP/CK/asm kernels, which
 cannot run on CPU. Where vLLM has a flag for it, the flag is off
@@ -24,7 +26,7 @@ reference stands in (``register_drafter_doubles``):
 Two kinds of process run the regime:
 
 * an AITER-on **zygote** (``Zygote(mode, aiter=True)``), Triton compiled (not
-  interpreted) for the emulated gfx942 target: ``compile_nothing`` turns every
+  interpreted) for the emulated target: ``compile_nothing`` turns every
   Triton launch into a record of the kernel cache key Triton computed for it
   (its real binder: specialisations, constexprs, options) and skips the
   compile and the launch. It builds and loads the drafter with the full
@@ -39,6 +41,7 @@ Two kinds of process run the regime:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -47,8 +50,11 @@ import torch
 
 from . import aiter as aiter_harness
 
-ARCH = "gfx942"
-MODE = f"rocm-{ARCH}"
+# The emulated GPUs of the regime, and the fp8 type each quantizes the absorb
+# weights to (the platform's).
+ARCHES = ("gfx942", "gfx950")
+FP8_DTYPES = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn}
+MODE = "rocm-gfx942"
 # aiter's FP8 BMM kernel, as Triton and the launch counter name it.
 FP8_BMM_KERNEL = (
     "_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel"
@@ -348,7 +354,7 @@ SKIPPED: list[tuple[str, str]] = []
 def compile_nothing() -> None:
     """Compiled (not interpreted) Triton in an emulated process: each launch
     binds its arguments with Triton's own binder for the emulated target
-    (gfx942) and computes the kernel cache key; this records the key and
+    (gfx942 or gfx950) and computes the kernel cache key; this records the key and
     skips the compile and the launch (``knobs.runtime.jit_cache_hook``
     returning True: ``JITFunction.run`` returns before launching). A GPU
     compiles once per distinct key and process."""
@@ -366,25 +372,22 @@ def compile_nothing() -> None:
 # --- interpreter workers ---------------------------------------------------------
 
 
-def _prepare_on() -> None:
-    activate_regime()
+def _prepare(world: str, arch: str) -> None:
+    activate = {"on": activate_regime, "off": activate_aiter_off}[world]
+    activate(f"rocm-{arch}")
 
 
-def _prepare_off() -> None:
-    activate_aiter_off()
-
-
-def interpreter_pool(world: str):
+def interpreter_pool(world: str, arch: str = "gfx942"):
     """One spawned interpreter worker in ``world`` ("on": the FP8 BMM regime,
-    "off": AITER off), with aiter's interpreter workarounds (they also apply
-    to vLLM's kernels, in both worlds alike) and bf16 dots widened."""
+    "off": AITER off) on the emulated ``arch``, with aiter's interpreter
+    workarounds (they also apply to vLLM's kernels, in both worlds alike) and
+    bf16 dots widened."""
     from .interpreter import InterpreterPool, widen_bf16_dots
 
-    prepare = {"on": _prepare_on, "off": _prepare_off}[world]
     return InterpreterPool(
         widen_bf16_dots,
         *aiter_harness.INTERPRETER_WORKAROUNDS,
-        prepare=prepare,
+        prepare=functools.partial(_prepare, world, arch),
         workers=1,
     )
 
