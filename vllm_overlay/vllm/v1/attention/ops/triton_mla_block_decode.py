@@ -598,7 +598,7 @@ def decode_attention_fwd_mla_block(
     if single_req:
         # Planned in one wave (_mla_block_single_req_splits), whose busy
         # programs stay within it (_mla_block_plan_share): measured on an
-        # H200, 3-7 us faster than a grid of every split.
+        # H200, 2-7 us faster than a grid of every split.
         grid = min(grid, max(cdiv(num_row_tiles, slots), 1) * slots)
     else:
         _mla_block_plan_kernel[(1,)](
