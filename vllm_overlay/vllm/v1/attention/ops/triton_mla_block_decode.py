@@ -327,9 +327,9 @@ def _fwd_mla_block_kernel_stage1(
     # row tiles of a split run side by side and share its KV in L2). The grid
     # holds every item the scratch allows (sized on the host, e.g. at graph
     # capture; for a lone request, one wave); the programs past the plan's
-    # total exit at once. A persistent
-    # grid looping over the items ran 32-row blocks 1.2-1.3x slower on an
-    # H200: the registers it keeps live across its loop spill.
+    # total exit at once. A persistent grid looping over the items ran 32-row
+    # blocks 1.2-1.3x slower on an H200: the registers it keeps live across
+    # its loop spill.
     row_tiles = tl.cdiv(query_len * NUM_HEADS, BLOCK_M)
     if SINGLE_REQ:
         # One request: every program plans its splits (one load), which spares
