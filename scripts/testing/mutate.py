@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -130,20 +129,24 @@ def _one(layout: Layout, source: Path, folder: Path, mutation: Mutation | None,
     if mutation:
         say(f"  {mutation.path} changed in patch(es) {', '.join(map(str, changed))}")
     start = time.monotonic()
-    # `-m scripts` in the scratch project imports its scripts/ (the folder it runs
-    # in comes first); no PYTHONPATH of its own, which would be a new input of
-    # every key (all variables are) and spoil the baseline's greens.
-    env = {**os.environ, "K3_PROJECT_ROOT": str(scratch),
-           "K3_CACHE_DIR": str(layout.cache_dir)}
+    # The scratch project's own `make test`, so that its commands see the
+    # environment the project's greens were recorded in (every variable is in
+    # every key; make exports its own, empty ones among them), and nothing
+    # else: no PYTHONPATH (`-m scripts` imports the scratch's scripts/, the
+    # folder it runs in) and no K3_CACHE_DIR (the scratch's .cache is a link
+    # to the project's cache). `-o build` keeps make from re-applying the
+    # patches over the mutated stack and from rebuilding the linked venvs.
+    env = {**os.environ, "K3_PROJECT_ROOT": str(scratch)}
+    command = ["make", "--no-print-directory", "-o", "build", "test",
+               f"FRESH={1 if fresh else ''}", "ONLY="]
     # In the scratch project's build/, like its results: a file at its top would be
     # one of the project's files, an input of every key.
     log_path, _ = _kept(scratch)
     tree = scratch / "build" / "vllm"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        code = subprocess.run([sys.executable, "-m", "scripts", "test",
-                               *(["--fresh"] if fresh else [])], cwd=scratch, env=env,
-                              stdout=log, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(command, cwd=scratch, env=env, stdout=log,
+                              stderr=subprocess.STDOUT).returncode
     seconds = time.monotonic() - start
     caught = _failures(scratch)
     say(f"  make test in {rel(scratch, layout)} exited {code} after {seconds:.0f} s; "
@@ -172,6 +175,10 @@ def _scratch_project(layout: Layout, source: Path, scratch: Path, mutation: Muta
             shutil.copy2(source / relpath, target, follow_symlinks=False)
     for venv in (layout.venv, layout.lint_venv):
         (scratch / venv.name).symlink_to(venv.resolve())
+    if "K3_CACHE_DIR" not in os.environ:
+        # The downloads the project's run used (pinned and hash-checked), found
+        # where its make test finds them: in the project's .cache/.
+        (scratch / ".cache").symlink_to(layout.cache_dir.resolve())
     tree = scratch / "build" / "vllm"
     tree.parent.mkdir(parents=True, exist_ok=True)
     git(layout.tree, "clone", "--quiet", "--shared", "--no-checkout", str(layout.tree),

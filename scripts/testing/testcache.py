@@ -76,11 +76,13 @@ _IMPORTABLE = (".py", ".pyc", ".pyo", ".so", ".pyd")
 # own and the variables typed on its command line (exported, FRESH and ONLY
 # among them; VLLM_VERSION exported empty to every recipe), how many commands
 # run at once, and what make test (K3_PROJECT_ROOT: the project, which the
-# key holds) and pytest set in each test process themselves.
+# key holds), pyenv's python3 shim (PYENV_DIR: the folder it was started in,
+# the project again; the version it chose is PYENV_VERSION, keyed) and pytest
+# set in each test process themselves.
 _UNKEYED_ENV = frozenset({
     "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "MAKE_TERMOUT", "MAKE_TERMERR",
     "FRESH", "ONLY", "FORCE", "VLLM_VERSION", "K3_TEST_FRESH", "K3_TEST_JOBS",
-    "K3_PROJECT_ROOT", "PYTEST_CURRENT_TEST",
+    "K3_PROJECT_ROOT", "PYENV_DIR", "PYTEST_CURRENT_TEST",
     "PWD", "OLDPWD", "SHLVL", "_", "TERM", "COLORTERM", "COLUMNS", "LINES", "LS_COLORS",
     "TERM_PROGRAM", "TERM_PROGRAM_VERSION", "TERM_SESSION_ID", "WINDOWID", "DISPLAY",
     "XAUTHORITY", "TMUX", "TMUX_PANE", "STY", "WINDOW", "MAIL", "PS1", "PS2",

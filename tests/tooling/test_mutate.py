@@ -9,12 +9,15 @@ a row when the tree it tests has the defect, so the test checks the driver
 from __future__ import annotations
 
 import json
+import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from scripts.common import Layout, StackError
 from scripts.testing import mutate
+from scripts.testing.testcache import keyed_environment
 from tests.tooling.conftest import FOO_PATCHED, SUBJECT_1, V1
 
 DEFECT = mutate.Mutation("small-block", "foo's block is back to 32", "vllm/models/foo.py",
@@ -39,6 +42,21 @@ FAKE_TEST = textwrap.dedent('''\
 ''')
 
 
+# The project Makefile's shape: test needs build, which needs apply (here a
+# failure: re-applying the patches would undo the mutation), and make exports
+# variables of its own, empty unless given.
+FAKE_MAKEFILE = textwrap.dedent('''\
+    export TARGET
+    PYTHON ?= python3
+    build: apply
+    \t$(PYTHON) -m scripts build
+    apply:
+    \t@echo "apply ran over the mutated stack"; exit 3
+    test: build
+    \t$(PYTHON) -m scripts test
+''')
+
+
 @pytest.fixture
 def stand_in(stacked, tmp_path):
     """The stacked project with venvs, and a project whose make test is FAKE_TEST."""
@@ -47,6 +65,7 @@ def stand_in(stacked, tmp_path):
         (venv / "bin").mkdir(parents=True)
     other = tmp_path / "other"
     (other / "scripts").mkdir(parents=True)
+    (other / "Makefile").write_text(FAKE_MAKEFILE)
     (other / "scripts" / "__init__.py").write_text("")
     (other / "scripts" / "__main__.py").write_text(FAKE_TEST)
     stacked.layout, stacked.other = layout, other
@@ -85,7 +104,7 @@ def test_the_report_names_what_catches_each_defect_and_checks_the_control(
     assert report["baseline"]["exit"] == 0
     defect, control = report["mutations"]
     assert defect["caught"] == {"stack": ["pytest tests/test_foo.py"]}
-    assert defect["patches"] == [1] and defect["exit"] == 1
+    assert defect["patches"] == [1] and defect["exit"] != 0  # make's 2
     assert control["caught"] == {} and control["exit"] == 0
     out = capsys.readouterr().out
     assert "small-block              caught" in out and "rename                   ok:" in out
@@ -145,3 +164,35 @@ def test_each_mutation_reads_the_objects_of_the_baseline_it_starts_from(
     assert mutate.mutate(stand_in.layout, [], project=stand_in.other) == 0, capsys.readouterr()
     # Once the mutations are done, the baseline's clone goes too.
     assert not (stand_in.root / "build/mutate/baseline/build/vllm").exists()
+
+
+# A make test that records the environment its commands see.
+ENV_TEST = textwrap.dedent('''\
+    import json, os
+    from pathlib import Path
+
+    results = Path.cwd() / "build" / "test-results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "env.json").write_text(json.dumps(dict(os.environ)))
+    (results / "summary.json").write_text(json.dumps({"rows": []}))
+''')
+
+
+def test_a_scratch_run_sees_the_environment_of_the_projects_make_test(
+        stand_in, monkeypatch, capsys):
+    """Every variable is in every key: a scratch run that sees other variables
+    than the project's own `make test` (K3_CACHE_DIR, or none of make's exports)
+    re-runs everything the project had green."""
+    (stand_in.other / "scripts" / "__main__.py").write_text(ENV_TEST)
+    monkeypatch.delenv("K3_CACHE_DIR", raising=False)
+    monkeypatch.setattr(mutate, "MUTATIONS", (CONTROL,))
+    assert mutate.mutate(stand_in.layout, [], project=stand_in.other) == 0, capsys.readouterr()
+    subprocess.run(["make", "-s", "-o", "build", "test"], cwd=stand_in.other, check=True)
+
+    def seen(project: Path) -> dict[str, str]:
+        env = json.loads((project / "build/test-results/env.json").read_text())
+        return keyed_environment(env)
+
+    scratch = stand_in.root / "build/mutate/rename"
+    assert seen(scratch) == seen(stand_in.other)
+    assert "TARGET" in seen(scratch)  # make's export, though empty
