@@ -597,7 +597,7 @@ def _sites_cell(sites: dict[str, int]) -> str:
 
 
 def _aiter_fp8s() -> str:
-    """"e4m3fnuz on gfx942, ...": each AITER arch's fp8 absorb weights."""
+    """Each AITER arch's fp8 absorb weights: "e4m3fnuz on gfx942, ..."."""
     return ", ".join(
         f"{str(FP8_DTYPES[arch]).removeprefix('torch.float8_')} on {arch}"
         for arch in AITER_MODULES
