@@ -9,10 +9,12 @@ counting rules), for:
   ``nvidia.dspark_mla`` on every platform). It runs in a zygote that imports
   the whole pristine release, extracted from git (``tests.support.pristine``);
 * ``nvidia`` and ``amd``: the patched NVIDIA and AMD modules on ROCm;
-* ``amd-aiter``: the AMD module in MI300's AITER FP8 BMM regime
-  (``VLLM_ROCM_USE_AITER=1`` with FP8 BMM, ``harness/aiter_drafter.py``), in an
-  AITER-on zygote: aiter's Triton kernels count as ``triton::`` launches, its
-  HIP op ``_fused_qk_rmsnorm`` (a checked double here) as one ``aiter::`` launch;
+* ``amd-aiter-gfx942`` (MI300) and ``amd-aiter-gfx950`` (MI355): the AMD
+  module in the AITER FP8 BMM regime (``VLLM_ROCM_USE_AITER=1`` with FP8 BMM on
+  the platform's fp8, ``harness/aiter_drafter.py``), each in an AITER-on zygote
+  of its arch: aiter's Triton kernels count as ``triton::`` launches, its HIP
+  op ``_fused_qk_rmsnorm`` (a checked double here) as one ``aiter::`` launch.
+  MI355's FP4 BMM is not counted: the pinned aiter lacks its kernel;
 
 each with a bf16 (``auto``) and an fp8 KV cache, and under both of vLLM's
 execution modes: ``compiled`` is vLLM's default config (torch.compile with
@@ -80,6 +82,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.pristine import base_tag, extract_pristine_package, pristine_git_dir
+from tests.verification.harness.aiter_drafter import ARCHES, FP8_DTYPES
 from tests.verification.harness.zygote import Zygote
 
 PHASES = ("context_kv", "first_layer", "layer", "model")
@@ -95,6 +98,12 @@ ROPE = "yarn"
 CONTEXT_TOKENS = 10
 BLOCK_TOKENS = 4
 ROCM = "rocm-gfx942"
+# The AMD module with VLLM_ROCM_USE_AITER=1 and FP8 BMM, per arch of the
+# regime (the harness's ARCHES, as test_aiter_drafter.py runs it): measured in
+# an AITER-on zygote of the arch (aiter_zygotes), where an aiter op counts as
+# one launch. They are compared with the baseline and AITER-off rows, which
+# are measured on gfx942 only.
+AITER_MODULES = {arch: f"amd-aiter-{arch}" for arch in ARCHES}
 
 # aiter's FP8 batched GEMM (vLLM's rocm_aiter_ops.triton_fp8_bmm), as counted.
 AITER_FP8_BMM = "triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel"
@@ -141,8 +150,8 @@ ALLOWED_EXTRA: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Config:
-    # "baseline" (0.33.0's NVIDIA module), "nvidia", "amd", "amd-aiter" (the
-    # AMD module in MI300's AITER FP8 BMM regime, harness/aiter_drafter.py), or
+    # "baseline" (0.33.0's NVIDIA module), "nvidia", "amd", one of
+    # AITER_MODULES (the AMD module in an arch's AITER FP8 BMM regime), or
     # "registry": the class vLLM's registry gives ``K3DSparkModel`` on ROCm,
     # which is what ROCm users run with the tree (0.33.0: the NVIDIA module).
     module: str
@@ -154,13 +163,18 @@ class Config:
         return f"{self.module}/{self.cache}/{self.mode}"
 
     @property
+    def aiter_arch(self) -> str | None:
+        """The emulated arch of an AITER configuration, else None."""
+        return {m: arch for arch, m in AITER_MODULES.items()}.get(self.module)
+
+    @property
     def label(self) -> str:
         if self.module == "baseline":
             return f"baseline: NVIDIA module of {base_tag()}"
         if self.module == "registry":
             return "what ROCm runs (the registry's K3DSparkModel)"
-        if self.module == AITER_MODULE:
-            return "AMD module, patched, AITER FP8 BMM"
+        if self.aiter_arch:
+            return f"AMD module, patched, AITER FP8 BMM, {self.aiter_arch}"
         return f"{self.module.upper()} module, patched"
 
     @property
@@ -177,10 +191,7 @@ def configs(*modules: str) -> list[Config]:
     ]
 
 
-# The AMD module with VLLM_ROCM_USE_AITER=1 and FP8 BMM (gfx942): measured in
-# an AITER-on zygote (aiter_zygote), where an aiter op counts as one launch.
-AITER_MODULE = "amd-aiter"
-CONFIGS = configs("baseline", "nvidia", "amd", AITER_MODULE)
+CONFIGS = configs("baseline", "nvidia", "amd", *AITER_MODULES.values())
 # What each platform runs with a tree of the stack (any prefix), both counted
 # under the emulated ROCm platform: NVIDIA the NVIDIA module, ROCm what the
 # registry resolves there.
@@ -339,6 +350,7 @@ def measure(module: str, cache: str, mode: str) -> dict:
     block_positions = torch.arange(CONTEXT_TOKENS, seq_len)
     block_slots = torch.arange(CONTEXT_TOKENS, seq_len, dtype=torch.int64)
     names = [owner.layer_name for owner in draft.cache_layers()]
+    absorb = draft.cache_layers()[0]
 
     counter = LaunchCounter(sites_under=str(Path(vllm.__file__).parent) + "/")
     _attribute_layers(counter, draft.layers)
@@ -372,7 +384,11 @@ def measure(module: str, cache: str, mode: str) -> dict:
         },
         "setup": {
             "vllm": str(Path(vllm.__file__).parent),
-            "attention": type(draft.cache_layers()[0].impl).__name__,
+            "attention": type(absorb.impl).__name__,
+            # The platform's fp8 with AITER FP8 BMM (W_V), else bf16 (W_UV).
+            "absorb": str(
+                (absorb.W_V if hasattr(absorb, "W_V") else absorb.W_UV).dtype
+            ),
             "custom_ops": ",".join(config.compilation_config.custom_ops),
             "rms_norm": rms_norm,
         },
@@ -427,13 +443,14 @@ def measure_target() -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def aiter_zygote() -> Iterator[Zygote]:
-    """An emulated gfx942 process in the AITER FP8 BMM regime."""
-    zygote = Zygote(ROCM, aiter=True)
+def aiter_zygotes() -> Iterator[dict[str, Zygote]]:
+    """{arch: an emulated process of the arch in the AITER FP8 BMM regime}."""
+    zygotes = {arch: Zygote(f"rocm-{arch}", aiter=True) for arch in AITER_MODULES}
     try:
-        yield zygote
+        yield zygotes
     finally:
-        zygote.close()
+        for zygote in zygotes.values():
+            zygote.close()
 
 
 @contextlib.contextmanager
@@ -466,17 +483,18 @@ def measure_all(
     patched: Zygote,
     pristine: Zygote,
     patched_configs: list[Config] | None = None,
-    aiter: Zygote | None = None,
+    aiter: dict[str, Zygote] | None = None,
 ) -> dict[str, dict]:
     """{config id: measurement} of the baseline configurations (in
     ``pristine``), of ``patched_configs`` (the patched NVIDIA and AMD modules by
-    default; in ``patched``) and, given ``aiter``, of the AITER configurations
-    (in it); the zygotes work at the same time."""
+    default; in ``patched``) and, given ``aiter`` ({arch: zygote}), of each
+    arch's AITER configurations (in its zygote); the zygotes work at the same
+    time."""
     if patched_configs is None:
         patched_configs = configs("nvidia", "amd")
     work = [(pristine, configs("baseline")), (patched, patched_configs)]
-    if aiter is not None:
-        work.append((aiter, configs(AITER_MODULE)))
+    for arch, zygote in (aiter or {}).items():
+        work.append((zygote, configs(AITER_MODULES[arch])))
     with ThreadPoolExecutor(max_workers=len(work)) as pool:
         jobs = [pool.submit(_measure_configs, z, c) for z, c in work]
         return {k: v for job in jobs for k, v in job.result().items()}
@@ -578,16 +596,27 @@ def _sites_cell(sites: dict[str, int]) -> str:
     return "; ".join(f"{site} ×{n}" for site, n in top)
 
 
+def _aiter_fp8s() -> str:
+    """Each AITER arch's fp8 absorb weights: "e4m3fnuz on gfx942, ..."."""
+    return ", ".join(
+        f"{str(FP8_DTYPES[arch]).removeprefix('torch.float8_')} on {arch}"
+        for arch in AITER_MODULES
+    )
+
+
 def render(results: dict[str, dict]) -> str:
     out = [
-        "## Kernel budget of one K3 DSpark draft step (emulated ROCm, gfx942)",
+        "## Kernel budget of one K3 DSpark draft step (emulated ROCm)",
         "",
         "Kernel launches counted on CPU (tests/verification/kernel_budget.py "
         f"says what counts). Synthetic draft: {NUM_LAYERS} layers, {ROPE} RoPE, "
         f"TRITON_MLA, {CONTEXT_TOKENS} context tokens, a {BLOCK_TOKENS}-token "
         "block. compiled = vLLM's default config, eager = --enforce-eager. "
         "A step with L layers launches context KV + first layer + (L-1) x "
-        "further layer + model.",
+        "further layer + model. Emulated gfx942 (MI300), but for the AITER "
+        "rows: each runs its arch's AITER FP8 BMM on the arch's fp8 "
+        f"({_aiter_fp8s()}). No FP4 BMM rows (gfx950): the pinned aiter lacks "
+        "batched_gemm_a16wfp4.",
         "",
         "| configuration | KV cache | mode | "
         + " | ".join(PHASE_TITLES[p] for p in PHASES)
@@ -610,7 +639,8 @@ def render(results: dict[str, dict]) -> str:
             f"#### {c.label}, {c.cache} cache, {c.mode}",
             "",
             f"attention impl {setup['attention']}; custom_ops "
-            f"{setup['custom_ops']}; rms_norm IR priority {setup['rms_norm']}",
+            f"{setup['custom_ops']}; rms_norm IR priority {setup['rms_norm']}; "
+            f"absorb weights {setup['absorb']}",
             "",
             "| phase | launches | ops |",
             "| --- | --- | --- |",
@@ -650,7 +680,7 @@ def _render_amd_vs_baseline(results: dict[str, dict]) -> list[str]:
                 reason = ""
                 if n > 0:
                     reason = ", ".join(ALLOWED_EXTRA.get(op, ("**none given**",)))
-                aiter = "AITER" if amd.module == AITER_MODULE else "-"
+                aiter = f"AITER {amd.aiter_arch}" if amd.aiter_arch else "-"
                 out.append(
                     f"| {aiter} | {amd.cache} | {amd.mode} | {PHASE_TITLES[phase]} | {op} | "
                     f"{b.get(op, 0)} | {a.get(op, 0)} | {n:+d} | {reason} | "
@@ -752,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     patched = Zygote(ROCM)
     try:
-        with pristine_zygote() as pristine, aiter_zygote() as aiter:
+        with pristine_zygote() as pristine, aiter_zygotes() as aiter:
             results = measure_all(patched, pristine, aiter=aiter)
     except FileNotFoundError as exc:  # no pristine release to compare with
         print(f"kernel budget: {exc}", file=sys.stderr)

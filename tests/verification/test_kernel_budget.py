@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.verification import kernel_budget as kb
+from tests.verification.harness.aiter_drafter import FP8_DTYPES
 from tests.verification.harness.launches import LaunchCounter, opaque_launch
 
 # Regenerate: .venv/bin/python -m tests.verification.kernel_budget --print-pins
@@ -97,25 +98,49 @@ PINS = {
         "layer": "_C::fused_add_rms_norm=2 _C::rms_norm=2 _C::rotary_embedding=1 _C::silu_and_mul=1 _C_cache_ops::concat_and_cache_mla=1 aten::bmm=2 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1",
         "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
     },
-    "amd-aiter/bf16/compiled": {
+    "amd-aiter-gfx942/bf16/compiled": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
         "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
         "layer": "_C::fused_add_rms_norm=2 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
         "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
     },
-    "amd-aiter/bf16/eager": {
+    "amd-aiter-gfx942/bf16/eager": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
         "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
         "layer": "_C::fused_add_rms_norm=2 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
         "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
     },
-    "amd-aiter/fp8/compiled": {
+    "amd-aiter-gfx942/fp8/compiled": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
         "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
         "layer": "_C::fused_add_rms_norm=2 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
         "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
     },
-    "amd-aiter/fp8/eager": {
+    "amd-aiter-gfx942/fp8/eager": {
+        "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
+        "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
+        "layer": "_C::fused_add_rms_norm=2 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
+        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+    },
+    "amd-aiter-gfx950/bf16/compiled": {
+        "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
+        "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
+        "layer": "_C::fused_add_rms_norm=2 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
+        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+    },
+    "amd-aiter-gfx950/bf16/eager": {
+        "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
+        "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
+        "layer": "_C::fused_add_rms_norm=2 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
+        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+    },
+    "amd-aiter-gfx950/fp8/compiled": {
+        "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
+        "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
+        "layer": "_C::fused_add_rms_norm=2 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
+        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+    },
+    "amd-aiter-gfx950/fp8/eager": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
         "first_layer": "_C::fused_add_rms_norm=1 _C::rms_norm=1 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
         "layer": "_C::fused_add_rms_norm=2 _C::silu_and_mul=1 aiter::_fused_qk_rmsnorm=1 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel=2 triton::_fused_qk_rope_cat_and_cache_mla_kernel=1",
@@ -214,11 +239,16 @@ def test_opaque_launch_is_one_launch_whatever_runs_inside():
 
 
 @pytest.fixture(scope="module")
-def budget(rocm) -> dict[str, dict[str, dict[str, int]]]:
+def measured(rocm) -> dict[str, dict]:
+    """{config id: measurement} for every configuration."""
+    with kb.pristine_zygote() as pristine, kb.aiter_zygotes() as aiter:
+        return kb.measure_all(rocm, pristine, aiter=aiter)
+
+
+@pytest.fixture(scope="module")
+def budget(measured) -> dict[str, dict[str, dict[str, int]]]:
     """{config id: {phase: {op: count}}} for every configuration."""
-    with kb.pristine_zygote() as pristine, kb.aiter_zygote() as aiter:
-        results = kb.measure_all(rocm, pristine, aiter=aiter)
-    return {config_id: r["counts"] for config_id, r in results.items()}
+    return {config_id: r["counts"] for config_id, r in measured.items()}
 
 
 @pytest.mark.parametrize("config", kb.CONFIGS, ids=lambda c: c.id)
@@ -293,7 +323,7 @@ def _layer(budget, config_id: str) -> int:
     return kb.launches(budget[config_id]["layer"])
 
 
-@pytest.mark.parametrize("module", ["nvidia", "amd", kb.AITER_MODULE])
+@pytest.mark.parametrize("module", ["nvidia", "amd", *kb.AITER_MODULES.values()])
 @pytest.mark.parametrize("cache", list(kb.CACHE_DTYPES))
 def test_draft_launches_the_eager_kernels_in_the_default_config(budget, module, cache):
     """0.33.0 builds and runs the draft under the target's compiled config:
@@ -307,7 +337,7 @@ def test_draft_launches_the_eager_kernels_in_the_default_config(budget, module, 
     assert kb.launches(baseline[0]["layer"]) > kb.launches(baseline[1]["layer"])
 
 
-@pytest.mark.parametrize("module", ["amd", kb.AITER_MODULE])
+@pytest.mark.parametrize("module", ["amd", *kb.AITER_MODULES.values()])
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 @pytest.mark.parametrize("cache", list(kb.CACHE_DTYPES))
 def test_amd_layer_launches_no_more_than_the_baseline(budget, module, mode, cache):
@@ -318,14 +348,19 @@ def test_amd_layer_launches_no_more_than_the_baseline(budget, module, mode, cach
     assert _layer(budget, f"nvidia/bf16/{mode}") <= 15
 
 
+@pytest.mark.parametrize("arch", list(kb.AITER_MODULES))
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 @pytest.mark.parametrize("cache", list(kb.CACHE_DTYPES))
-def test_aiter_layer_runs_fp8_bmm_and_one_rope_and_cache_launch(budget, mode, cache):
+def test_aiter_layer_runs_fp8_bmm_and_one_rope_and_cache_launch(
+    measured, budget, arch, mode, cache
+):
     """With AITER FP8 BMM on, both absorb BMMs of a layer are aiter's Triton
-    kernel; the layer launches two fewer kernels than with AITER off (the q/kv
-    norms are one aiter launch, and so are the RoPE and the cache write), at
-    most 15."""
-    layer = budget[f"{kb.AITER_MODULE}/{cache}/{mode}"]["layer"]
+    kernel on the arch's fp8 weights; the layer launches two fewer kernels
+    than with AITER off on gfx942 (the q/kv norms are one aiter launch, and so
+    are the RoPE and the cache write), at most 15."""
+    config_id = f"{kb.AITER_MODULES[arch]}/{cache}/{mode}"
+    assert measured[config_id]["setup"]["absorb"] == str(FP8_DTYPES[arch])
+    layer = budget[config_id]["layer"]
     assert layer.get(kb.AITER_FP8_BMM, 0) == 2 and "aten::bmm" not in layer
     assert layer.get(kb.AITER_ROPE_AND_CACHE, 0) == 1
     assert "_C::rotary_embedding" not in layer
