@@ -280,8 +280,13 @@ def case_files(runner: Path, name: str) -> tuple[str, ...]:
     files = case_tuple(runner, name, "FILES")
     if files is None:
         raise StackError(f"{rel(runner / 'cases' / f'{name}.py')} must set FILES to a tuple "
-                         "of vLLM file paths (see benchmarks/gpu/run.py)")
+                         f"of {_TUPLES['FILES']}")
     return files
+
+
+_TUPLES = {"FILES": "vLLM file paths (see benchmarks/gpu/run.py)",
+           "CSRC": "paths under the release's csrc/ (see scripts/perf/gpubench.py)",
+           "AITER": "aiter module names (see scripts/perf/gpubench.py)"}
 
 
 def case_tuple(runner: Path, name: str, variable: str) -> tuple[str, ...] | None:
@@ -307,7 +312,7 @@ def case_tuple(runner: Path, name: str, variable: str) -> tuple[str, ...] | None
             break
     else:
         return None
-    raise StackError(f"{rel(path)}: {variable} must be a tuple of strings")
+    raise StackError(f"{rel(path)} must set {variable} to a tuple of {_TUPLES[variable]}")
 
 
 def build_package(runner: Path, source: Path, trees: list[TreeSpec], cases: list[str],

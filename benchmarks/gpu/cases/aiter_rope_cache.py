@@ -48,6 +48,10 @@ A case module of the GPU benchmark runner (run.py skips it: it has no
 
 `--no-bmm` leaves out the check of aiter's FP8 BMM (the absorb kernel vLLM's
 rocm_aiter_ops.triton_fp8_bmm calls) on this GPU.
+
+NVIDIA only: the unfused path is built from the release's CUDA sources (on
+ROCm, vLLM's own build of them is what the drafter calls; this case does not
+hipify them and stops there).
 """
 
 from __future__ import annotations
@@ -651,14 +655,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
+    if torch.version.hip:
+        print("error: on ROCm, time against the installed vLLM's own ops; this case builds "
+              "the release's CUDA kernels (NVIDIA only)", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     manifest = json.loads((RUNNER / "trees.json").read_text())
     backend = f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, Triton "
           f"{triton.__version__}, {backend}")
-    if not torch.version.hip:
-        print("  (NVIDIA, standing in for MI300/MI355: Triton's CUDA backend and vLLM's CUDA "
-              "kernels, not ROCm's; fp8 is e4m3fn)")
+    print("  (NVIDIA, standing in for MI300/MI355: Triton's CUDA backend and vLLM's CUDA "
+          "kernels, not ROCm's; fp8 is e4m3fn)")
     aiter_info = manifest.get("aiter", {})
     print(f"  fused: aiter {aiter_info.get('version', '?')} Triton "
           "fused_qk_rope_cat_and_cache_mla")
