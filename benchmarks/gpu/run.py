@@ -36,6 +36,12 @@ Adding a case is one file, benchmarks/gpu/cases/<name>.py, which defines:
         Whether two trees' outputs on the same inputs agree; by default every
         tensor must be equal element for element.
 
+A case without `bind` compares something other than the trees (e.g.
+cases/aiter_rope_cache.py: aiter's fused kernel against the release's CUDA
+kernels) and runs on its own (`python3 cases/<name>.py`); this runner skips
+it. Such a case may name CSRC (release csrc/ files) and AITER (aiter modules)
+for the package builder to copy (scripts/perf/gpubench.py).
+
 Each call is captured 20 times (cycling through the input sets) into one CUDA
 graph per tree, and the trees' graphs are replayed in turns; the table gives
 microseconds per call (median, p10, p90 over the replays) and the replay-by-
@@ -223,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {args.calls} calls per CUDA graph, {args.repeats} replays, "
           f"microseconds per call", flush=True)
     for name in names:
-        rows = run_case(load_case(name), trees, args)
+        case = load_case(name)
+        if not hasattr(case, "bind"):  # it compares no trees: see its docstring
+            print(f"\ncase {name}: runs on its own: python3 {HERE.name}/cases/{name}.py",
+                  flush=True)
+            continue
+        rows = run_case(case, trees, args)
         print(format_table(f"\ncase {name}", rows), flush=True)
     return 0
 

@@ -16,11 +16,21 @@ commit of this project (`git log -- patches/`) whose series gives those files
 other contents than `patched`, applied to the release in a scratch index with
 its own object folder (build/vllm is only read); `--before REV` names the
 project commit instead, `--before none` leaves it out.
+
+A case may also name files that are no vLLM Python: CSRC, files of the
+release's csrc/ (read from the `pristine` tree into csrc/ of the package), and
+AITER, modules of AMD's aiter (read from the installed `amd-aiter` wheel, with
+every aiter module they import, into aiter/ of the package; its package
+__init__ files are empty there, since aiter's own needs ROCm). trees.json
+records where each came from and each file's sha256.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import importlib.machinery
+import importlib.metadata
 import json
 import os
 import shutil
@@ -147,8 +157,8 @@ def gpubench(layout: Layout, cases: list[str] | None, package: Path | None,
     trees = resolve_trees(source, load_pin(layout.pin_file).base_tag, revs)
     names = cases or available_cases(runner)
     with tempfile.TemporaryDirectory(prefix="k3-gpubench-objects-") as objects:
-        if before != "none" and all(t.label != BEFORE for t in trees):
-            files = sorted({f for name in names for f in case_files(runner, name)})
+        files = sorted({f for name in names for f in case_files(runner, name)})
+        if before != "none" and files and all(t.label != BEFORE for t in trees):
             found = landed_before(layout, source, trees, files, Path(objects),
                                   None if before == "auto" else before)
             trees[1:1] = [found] if found else []
@@ -267,21 +277,42 @@ def _timed_sources(source: Path, tree: TreeSpec, files: list[str]) -> dict[str, 
 
 def case_files(runner: Path, name: str) -> tuple[str, ...]:
     """The FILES a case module declares, read without importing it (no torch here)."""
+    files = case_tuple(runner, name, "FILES")
+    if files is None:
+        raise StackError(f"{rel(runner / 'cases' / f'{name}.py')} must set FILES to a tuple "
+                         f"of {_TUPLES['FILES']}")
+    return files
+
+
+_TUPLES = {"FILES": "vLLM file paths (see benchmarks/gpu/run.py)",
+           "CSRC": "paths under the release's csrc/ (see scripts/perf/gpubench.py)",
+           "AITER": "aiter module names (see scripts/perf/gpubench.py)"}
+
+
+def case_tuple(runner: Path, name: str, variable: str) -> tuple[str, ...] | None:
+    """A module-level tuple of strings of a case (FILES, CSRC, AITER), or None
+    where the case does not set it."""
     path = runner / "cases" / f"{name}.py"
     if not path.is_file():
         raise StackError(f"no benchmark case {name!r}: expected {rel(path)} "
                          f"(cases: {', '.join(available_cases(runner)) or 'none'})")
     for node in ast.parse(path.read_text(), str(path)).body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "FILES"):
+        target = None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target = node.target
+        if isinstance(target, ast.Name) and target.id == variable:
             try:
-                files = ast.literal_eval(node.value)
+                value = ast.literal_eval(node.value)
             except ValueError:
                 break
-            if isinstance(files, tuple) and all(isinstance(f, str) for f in files):
-                return files
-    raise StackError(f"{rel(path)} must set FILES to a tuple of vLLM file paths "
-                     "(see benchmarks/gpu/run.py)")
+            if isinstance(value, tuple) and all(isinstance(f, str) for f in value):
+                return value
+            break
+    else:
+        return None
+    raise StackError(f"{rel(path)} must set {variable} to a tuple of {_TUPLES[variable]}")
 
 
 def build_package(runner: Path, source: Path, trees: list[TreeSpec], cases: list[str],
@@ -298,12 +329,19 @@ def build_package(runner: Path, source: Path, trees: list[TreeSpec], cases: list
             if not any(f in modules for modules in files_by_tree.values()):
                 raise StackError(f"benchmark case {name!r}: {f} is in none of the trees ("
                                  + ", ".join(f"{t.label} = {t.rev}" for t in trees) + ")")
+    csrc = sorted({f for name in cases for f in case_tuple(runner, name, "CSRC") or ()})
+    aiter = sorted({m for name in cases for m in case_tuple(runner, name, "AITER") or ()})
+    csrc_files = release_csrc(source, trees[0], csrc) if csrc else {}
+    aiter_files, aiter_manifest = aiter_modules(aiter) if aiter else ({}, None)
     _refuse_foreign_folder(package)
     package.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".gpubench-", dir=package.parent))
     try:
         for tree in trees:
             _write_tree(staging / "trees" / tree.label, files_by_tree[tree.label])
+        for path, data in {**csrc_files, **aiter_files}.items():
+            (staging / path).parent.mkdir(parents=True, exist_ok=True)
+            (staging / path).write_bytes(data)
         for name in RUNNER_FILES:
             shutil.copy2(runner / name, staging / name)
         (staging / "cases").mkdir()
@@ -311,6 +349,11 @@ def build_package(runner: Path, source: Path, trees: list[TreeSpec], cases: list
             shutil.copy2(runner / "cases" / f"{name}.py", staging / "cases")
         manifest = {"cases": cases, "source": str(source),
                     "trees": [t.manifest() for t in trees]}
+        if csrc_files:
+            manifest["csrc"] = {**trees[0].manifest(), "files": {
+                path: _sha256(data) for path, data in sorted(csrc_files.items())}}
+        if aiter_manifest:
+            manifest["aiter"] = aiter_manifest
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         size = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
         if size > MAX_PACKAGE_BYTES:
@@ -325,6 +368,79 @@ def build_package(runner: Path, source: Path, trees: list[TreeSpec], cases: list
             shutil.rmtree(old)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def release_csrc(source: Path, tree: TreeSpec, paths: list[str]) -> dict[str, bytes]:
+    """path -> bytes of the release's csrc/ files a case names (the
+    `pristine` tree)."""
+    out = {}
+    for path in paths:
+        clean = PurePosixPath(path)
+        if clean.parts[:1] != ("csrc",) or ".." in clean.parts or clean.is_absolute():
+            raise StackError(f"CSRC entry {path!r}: expected a file under csrc/ of vLLM")
+        found = git(source, "cat-file", "-e", f"{tree.commit}:{path}", check=False,
+                    env=dict(tree.git_env))
+        if found.returncode != 0:
+            raise StackError(f"CSRC entry {path}: not in tree {tree.label} ({tree.rev})")
+        out[str(clean)] = git(source, "show", f"{tree.commit}:{path}", text=False,
+                              env=dict(tree.git_env)).stdout
+    return out
+
+
+def aiter_folder() -> Path:
+    """The installed aiter package folder, found without importing it (its
+    __init__ needs ROCm)."""
+    spec = importlib.machinery.PathFinder.find_spec("aiter")
+    if spec is None or not spec.submodule_search_locations:
+        raise StackError("a benchmark case names AITER modules, and this Python has no "
+                         "amd-aiter installed (requirements/venv.lock pins it: rebuild .venv)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def aiter_modules(modules: list[str]) -> tuple[dict[str, bytes], dict]:
+    """(path -> bytes, manifest entry) of the aiter modules and every aiter
+    module they import, from the installed wheel; package __init__ files are
+    written empty (aiter's own asks ROCm for its version and builds HIP ops)."""
+    folder = aiter_folder()
+    root = folder.parent
+    installed = {p.relative_to(root).as_posix() for p in folder.rglob("*.py")}
+    found: dict[str, bytes] = {}
+    todo = [(m, m) for m in modules]
+    while todo:
+        module, chain = todo.pop()
+        path = module_path(module, installed)
+        if path is None:
+            raise StackError(f"aiter module {module} ({chain}) is not in the installed "
+                             f"amd-aiter ({folder})")
+        if path in found or path.endswith("/__init__.py"):
+            continue
+        data = (root / path).read_bytes()
+        found[path] = data
+        for imported, names in package_imports(data.decode("utf-8"), _module_name(path),
+                                               "aiter"):
+            folder_only = module_path(imported, installed) is None and any(
+                p.startswith(imported.replace(".", "/") + "/") for p in installed)
+            if not folder_only:
+                todo.append((imported, f"{chain} -> {imported}"))
+            for name in names:
+                if module_path(f"{imported}.{name}", installed) is not None:
+                    todo.append((f"{imported}.{name}", f"{chain} -> {imported}.{name}"))
+    files = dict(found)
+    for path in list(found):
+        for parent in PurePosixPath(path).parents:
+            if str(parent) != ".":
+                files.setdefault(f"{parent}/__init__.py", b"")
+    try:
+        version = importlib.metadata.version("amd-aiter")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    manifest = {"version": version, "folder": str(folder),
+                "files": {path: _sha256(data) for path, data in sorted(found.items())}}
+    return files, manifest
 
 
 def _refuse_foreign_folder(package: Path) -> None:
@@ -427,7 +543,16 @@ def vllm_imports(text: str, module: str) -> list[tuple[str, tuple[str, ...]]]:
     Imports under `if TYPE_CHECKING:` are left out; relative imports are
     resolved against `module`.
     """
+    return package_imports(text, module, "vllm")
+
+
+def package_imports(text: str, module: str,
+                    package: str) -> list[tuple[str, tuple[str, ...]]]:
+    """vllm_imports for the modules of another top-level package."""
     out: list[tuple[str, tuple[str, ...]]] = []
+
+    def inside(name: str) -> bool:
+        return name == package or name.startswith(f"{package}.")
 
     def visit(nodes: list[ast.stmt]) -> None:
         for node in nodes:
@@ -437,10 +562,10 @@ def vllm_imports(text: str, module: str) -> list[tuple[str, tuple[str, ...]]]:
                 visit(node.orelse)
                 continue
             if isinstance(node, ast.Import):
-                out.extend((a.name, ()) for a in node.names if _is_vllm(a.name))
+                out.extend((a.name, ()) for a in node.names if inside(a.name))
             elif isinstance(node, ast.ImportFrom):
                 name = _absolute(node, module)
-                if _is_vllm(name):
+                if inside(name):
                     out.append((name, tuple(a.name for a in node.names)))
             for block in _blocks(node):
                 visit(block)
@@ -454,10 +579,6 @@ def _blocks(node: ast.stmt) -> list[list[ast.stmt]]:
     blocks = [getattr(node, field, []) for field in ("body", "orelse", "finalbody")]
     blocks += [handler.body for handler in getattr(node, "handlers", [])]
     return [b for b in blocks if isinstance(b, list)]
-
-
-def _is_vllm(name: str) -> bool:
-    return name == "vllm" or name.startswith("vllm.")
 
 
 def _is_type_checking(test: ast.expr) -> bool:

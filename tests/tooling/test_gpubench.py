@@ -8,6 +8,8 @@ ratio logic on made-up timings.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -418,3 +420,187 @@ def test_a_kernel_file_that_is_not_utf8_at_a_revision_is_one_line(bench_project)
     assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
     assert ("tree patched (HEAD): vllm/kernels/helpers.py is not UTF-8 (byte 5)"
             in result.stderr)
+
+
+# --- a case of other sources: release csrc/ and aiter's Triton modules ---------------------
+
+CASE_DIR = RUNNER / "cases"
+# Shaped like the release files whose device code aiter_rope_cache.py cuts out.
+POS_ENCODING = """#include "torch_utils.h"
+
+namespace vllm {
+
+template <typename scalar_t>
+__global__ void rotary_embedding_kernel(scalar_t* q) { if (q) { q[0] = q[0]; } }
+
+}  // namespace vllm
+
+void rotary_embedding() { /* the host side, left behind */ }
+"""
+CACHE_KERNELS = """namespace vllm {
+
+template <typename scalar_t, typename cache_t, Fp8KVCacheDataType kv_dt,
+          bool skip_scale>
+__global__ void concat_and_cache_mla_kernel(
+    const scalar_t* __restrict__ kv_c  // [num_tokens, kv_lora_rank]
+) {
+  auto copy = [&](int i) { if (i) { return; } };
+  copy(0);
+}
+
+template <typename scalar_t>
+__global__ void other_kernel() {}
+
+}  // namespace vllm
+"""
+
+
+def _aiter_installed() -> Path:
+    spec = importlib.machinery.PathFinder.find_spec("aiter")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("amd-aiter is not installed in this Python")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _case_value(name: str, variable: str):
+    import ast
+
+    tree = ast.parse((CASE_DIR / f"{name}.py").read_text())
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if any(isinstance(t, ast.Name) and t.id == variable for t in targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{name}.py sets no {variable}")
+
+
+@pytest.fixture
+def native_project(project):
+    """A release that holds the csrc/ files aiter_rope_cache.py names (the two
+    kernel files shaped like the release's), and that case in the runner."""
+    csrc = {path: b"// header\n" for path in _case_value("aiter_rope_cache", "CSRC")}
+    csrc["csrc/pos_encoding_kernels.cu"] = POS_ENCODING.encode()
+    csrc["csrc/cache_kernels.cu"] = CACHE_KERNELS.encode()
+    project.use_release(V1, files={**release_files(V1), **csrc})
+    project.ok("apply")
+    runner = project.root / "benchmarks" / "gpu"
+    (runner / "cases").mkdir(parents=True)
+    for name in ("run.py", "stats.py", "timing.py"):
+        shutil.copy2(RUNNER / name, runner / name)
+    shutil.copy2(CASE_DIR / "aiter_rope_cache.py", runner / "cases")
+    return project
+
+
+def test_a_case_takes_release_csrc_and_aiter_modules(native_project):
+    """CSRC comes from the release tree, AITER from the installed wheel with
+    every aiter module it imports; aiter's package __init__ files are empty
+    (the wheel's needs ROCm); trees.json names where each came from."""
+    folder = _aiter_installed()
+    result = build(native_project, "--case", "aiter_rope_cache")
+    assert result.returncode == 0, result.stderr
+    package = package_of(native_project)
+    manifest = json.loads((package / "trees.json").read_text())
+    # It times no vLLM file, so no previous revision is looked for.
+    assert [t["label"] for t in manifest["trees"]] == ["pristine", "patched"]
+    assert manifest["csrc"]["label"] == "pristine"
+    assert manifest["csrc"]["rev"] == f"vllm-{V1}"
+    csrc = _case_value("aiter_rope_cache", "CSRC")
+    assert sorted(manifest["csrc"]["files"]) == sorted(csrc)
+    assert (package / "csrc" / "cache_kernels.cu").read_text() == CACHE_KERNELS
+    for path, digest in manifest["csrc"]["files"].items():
+        assert hashlib.sha256((package / path).read_bytes()).hexdigest() == digest
+    triton_dir = "aiter/ops/triton"
+    # The two entry modules and what they import (the rope helpers, the
+    # logger, the BMM's arch query, config path and kernel repr).
+    assert sorted(manifest["aiter"]["files"]) == sorted(
+        f"{triton_dir}/{name}.py" for name in (
+            "fused_kv_cache", "_triton_kernels/fused_kv_cache", "rope", "_triton_kernels/rope",
+            "utils/logger", "batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_"
+            "tensor_quant", "_triton_kernels/batched_gemm_a8w8_a_per_token_group_prequant_"
+            "w_per_batched_tensor_quant", "utils/_triton/arch_info",
+            "utils/_triton/kernel_repr", "utils/core"))
+    for path, digest in manifest["aiter"]["files"].items():
+        data = (package / path).read_bytes()
+        assert data == (folder.parent / path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == digest
+    inits = sorted(p.relative_to(package).as_posix() for p in (package / "aiter").rglob("*")
+                   if p.name == "__init__.py")
+    assert "aiter/__init__.py" in inits and f"{triton_dir}/__init__.py" in inits
+    assert all((package / p).read_bytes() == b"" for p in inits)
+    assert manifest["aiter"]["version"] != "unknown"
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("vllm/kernels/add.py", "CSRC entry 'vllm/kernels/add.py': expected a file under csrc/"),
+    ("csrc/gone.cu", "CSRC entry csrc/gone.cu: not in tree pristine"),
+], ids=["outside-csrc", "missing"])
+def test_a_csrc_entry_the_release_lacks_is_one_line(bench_project, entry, message):
+    case = bench_project.root / "benchmarks" / "gpu" / "cases" / "add.py"
+    case.write_text(case.read_text() + f"CSRC = ({entry!r},)\n")
+    result = build(bench_project)
+    assert result.returncode == 1
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_fused_rope_cache_case_runs_aiters_kernel_in_the_interpreter(native_project):
+    """The case's CPU parts, on the built package: the release kernels' text
+    cut from csrc/, and aiter's fused kernel (Triton's interpreter, with the
+    harness's workarounds for it) called as the drafter calls it, against a
+    float64 rotation and the cache rows it must write."""
+    _aiter_installed()
+    pytest.importorskip("triton")
+    assert build(native_project, "--case", "aiter_rope_cache").returncode == 0
+    package = package_of(native_project)
+    script = textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        sys.path[:0] = [sys.argv[1], "cases"]
+        from tests.verification.harness import aiter as harness
+        for workaround in harness.INTERPRETER_WORKAROUNDS:
+            workaround()
+        import torch
+        import aiter_rope_cache as case
+        text = case.release_kernels(Path("csrc"))
+        print("rotary" in text, "concat_and_cache_mla_kernel" in text,
+              "other_kernel" in text, "host side" in text)
+        fused_kv_cache = case.load_aiter()
+        print(Path(fused_kv_cache.__file__).resolve().is_relative_to(Path.cwd()))
+        table = case.yarn_cos_sin_cache()
+        cos, sin = table.chunk(2, dim=-1)
+        for kv in case.KV_DTYPES:
+            shape = dict(reqs=2, heads=4, page=16, kv=kv)
+            x = case.make_inputs(shape, "cpu", torch.Generator().manual_seed(1), table)
+            cache = case.make_cache(shape, "cpu")
+            q_in, k_in = x["q"].clone(), x["k_pe"].clone()
+            k_scale = torch.tensor([case.K_SCALE])
+            call = case.fused_call(fused_kv_cache, shape, cos, sin, k_scale)
+            q_out, k_pe_out = call(x, cache)
+            rope = case.NOPE_DIM
+            q_ref = q_in.clone()
+            q_ref[:, :, rope:] = case.rotation_reference(q_in[:, :, rope:], x["positions"],
+                                                         table).bfloat16()
+            k_ref = case.rotation_reference(k_in, x["positions"], table).bfloat16()
+            rows = cache.view(-1, cache.shape[-1])
+            want = torch.cat([x["kv_c_normed"], k_ref.squeeze(1)], -1)
+            got = rows[x["slots"]]
+            if kv == "fp8":
+                want, got = (want.float() / case.K_SCALE).to(case.FP8), got.view(case.FP8)
+            steps = case.steps_apart(got, want)
+            others = torch.ones(rows.shape[0], dtype=torch.bool)
+            others[x["slots"]] = False
+            print(kv, int(case.steps_apart(q_out, q_ref).max()),
+                  int(case.steps_apart(k_pe_out, k_ref).max()),
+                  int(steps[:, :case.KV_LORA_RANK].max()), int(steps[:, case.KV_LORA_RANK:].max()),
+                  bool((rows[others].view(torch.uint8) == 0xFF).all()),
+                  torch.equal(x["q"], q_in))
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ""}
+    result = subprocess.run([PYTHON, "-c", script, str(REPO)], cwd=package, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    # bf16: both round the fp32 rotation once (the interpreter's rounding made
+    # to match compiled Triton's); fp8: the kernel rounds the rotation once to
+    # e4m3, the reference through bf16, so rope elements may be one step apart.
+    assert result.stdout.splitlines() == [
+        "True True False False", "True",
+        "bf16 0 0 0 0 True True", "fp8 0 0 0 1 True True"]
