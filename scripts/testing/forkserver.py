@@ -15,7 +15,9 @@ server's objects are frozen out of the garbage collector before the first
 fork (gc.freeze), as CPython advises for a process that forks workers.
 
 A server that fails to start or dies is replaced by a plain pytest process
-for the files it would have served: slower, never different.
+for the files it would have served: slower, never different. So is a child
+whose run could have differed from a fresh process's (FrozenHeap: the server's
+objects stay frozen in the child, which a test could in principle notice).
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 ROCM_PLUGIN = "rocm_emulation.plugin"
+# A child's exit status when its run could differ from a fresh process's
+# (FrozenHeap): the file runs again in a plain pytest process.
+UNPROVEN = 86
 
 
 # --- the server (runs in .venv's python, in the tree) --------------------------------
@@ -71,8 +77,10 @@ def serve(rocm: bool) -> None:
             pass
     # What is alive now is shared with every child until written to. Out of the
     # collector's reach, the gc.collect() that vLLM's tests run after each test
-    # neither walks it (half a second each, with torch and vLLM loaded) nor
-    # copies its pages into the child.
+    # neither walks it (a third of a second each, with torch and vLLM loaded)
+    # nor copies its pages into the child (FrozenHeap keeps it so there).
+    # Collected first, so that all of it is alive when frozen.
+    gc.collect()
     gc.freeze()
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
@@ -110,7 +118,10 @@ def _child(request: dict) -> None:
         warnings.filterwarnings("ignore", "Module already imported so cannot be rewritten",
                                 pytest.PytestAssertRewriteWarning)
         sys.argv = ["pytest", *request["args"]]
+        heap = FrozenHeap()
         code = int(pytest.main(request["args"]))
+        if not heap.unobservable():
+            code = UNPROVEN
     except BaseException:  # noqa: BLE001 - reported in the file's log
         import traceback
 
@@ -119,6 +130,63 @@ def _child(request: dict) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+class FrozenHeap:
+    """Keeps what the server froze out of the cyclic collector for a child's
+    whole run, and tells afterwards whether a test could have seen that.
+
+    vLLM's per-test cleanup (cleanup_dist_env_and_memory) calls gc.unfreeze()
+    before its gc.collect(): the server's 700,000 objects would go back to the
+    collector at the first teardown and be walked after every test (0.3 s
+    each, half the time of vLLM's CPU test files). Here gc.unfreeze() leaves
+    them frozen. A collection then differs from a fresh process's in one way
+    only: an object of the server's that became cyclic garbage during the run
+    is not freed. That can show through what freeing runs (a finalizer, a weak
+    reference cleared or its callback) or through the gc module's own view of
+    the heap; `unobservable` checks the first after the run, and any use of
+    the second (gc.get_objects, gc.get_referrers, gc.freeze,
+    gc.get_freeze_count) ends the freeze at once and fails the check. Memory
+    use and collection counts differ, as they do between two fresh processes
+    with different hash seeds."""
+
+    _WATCHED = ("freeze", "get_objects", "get_referrers", "get_freeze_count")
+
+    def __init__(self) -> None:
+        self._real = {name: getattr(gc, name) for name in ("unfreeze", *self._WATCHED)}
+        self.looked = False
+        gc.unfreeze = self._unfreeze
+        for name in self._WATCHED:
+            setattr(gc, name, self._watched(self._real[name]))
+
+    def _unfreeze(self) -> None:
+        if self.looked:
+            self._real["unfreeze"]()
+
+    def _watched(self, real):
+        def watched(*args, **kwargs):
+            if not self.looked:
+                self.looked = True
+                self._real["unfreeze"]()
+            return real(*args, **kwargs)
+
+        return watched
+
+    def unobservable(self) -> bool:
+        """True when no test looked at the heap and nothing of the server's that
+        became garbage has a finalizer or a weak reference: freeing it earlier,
+        as a fresh process would have, would have run no code and changed no
+        value. (Run once, at the end: it frees what it finds.)"""
+        if self.looked:
+            return False
+        gc.collect()  # the run's own garbage, as every teardown frees it
+        self._real["unfreeze"]()
+        referenced = {id(o) for o in self._real["get_objects"]() if weakref.getweakrefcount(o)}
+        gc.set_debug(gc.DEBUG_SAVEALL)  # keep what it finds, to look at
+        before = len(gc.garbage)
+        gc.collect()
+        found = gc.garbage[before:]
+        return not any(id(o) in referenced or hasattr(type(o), "__del__") for o in found)
 
 
 # --- the pool (runs in make test) ---------------------------------------------------
@@ -187,7 +255,9 @@ class ForkServers:
         """pytest on `args` in a fork of a server for `cwd` and `env` (whose
         K3_READS_LOG is replaced), under emulated ROCm if `args` load its plugin,
         with its temporary files in `tmp` (if given): its exit status and the
-        server's own reads, or None if no server could run it."""
+        server's own reads, or None if no server could run it. The status is
+        UNPROVEN (and `reads` emptied) when the run could differ from a fresh
+        process's: run it in one."""
         rocm = ROCM_PLUGIN in args
         env = {k: v for k, v in env.items() if k != "K3_READS_LOG"}  # each file has its own
         key = (str(cwd), rocm, tuple(sorted(env.items())))
@@ -198,6 +268,8 @@ class ForkServers:
         if code is None:
             server.close()
             return None
+        if code == UNPROVEN:
+            reads.write_text("")  # the plain process records its own
         with self._lock:
             self._idle.setdefault(key, []).append(server)
             server.idle_since = time.monotonic()

@@ -57,7 +57,7 @@ from scripts.stack.gitrepo import git, read_state
 from scripts.stack.lint import LintResult, print_results, run_hadolint, run_lints
 from scripts.stack.lock import LINT
 from scripts.stack.venv import venv_python
-from scripts.testing.forkserver import ForkServers
+from scripts.testing.forkserver import UNPROVEN, ForkServers
 from scripts.testing.prefixes import LINKED, PrefixTrees, prefix_commits
 from scripts.testing.testcache import (
     FORMAT,
@@ -517,9 +517,11 @@ def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: P
     # The unit's temporary files go to a folder of its own, removed with it: a
     # test that never removes what it made (a mkdtemp) leaves nothing in /tmp.
     with tempfile.TemporaryDirectory(prefix="k3-unit-", ignore_cleanup_errors=True) as tmp:
-        served = None
+        served, note = None, ""
         if servers is not None and reads_log is not None:
             served = servers.run(cwd, env, pytest_args, log, reads_log, tmp=tmp)
+        if served is not None and served[0] == UNPROVEN:
+            served, note = None, "run in a process of its own: a fork could have differed"
         if served is not None:
             code, server_reads = served
             with open(reads_log, "a") as reads:  # what the server read before the fork
@@ -532,6 +534,7 @@ def _pytest(layout: Layout, args: list[str], cwd: Path, path: list[Path], log: P
     part = _read_junit(xml)
     part.seconds = time.monotonic() - start
     part.log = rel(log, layout)
+    part.note = note
     skipped_whole = code == 5 and part.skipped  # a module-level skip: nothing to collect
     if (code not in (0, 1) and not skipped_whole) or (code == 1 and not part.failed):
         # Collection errors, usage errors, or no tests at all (exit 5).
