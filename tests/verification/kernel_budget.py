@@ -466,7 +466,7 @@ def pristine_zygote(rev: str | None = None) -> Iterator[Zygote]:
             zygote.close()
 
 
-def _measure_configs(zygote: Zygote, configs: list[Config]) -> dict[str, dict]:
+def measure_configs(zygote: Zygote, configs: list[Config]) -> dict[str, dict]:
     results = {}
     for c in configs:
         r = zygote.call(measure, module=c.module, cache=c.cache, mode=c.mode)
@@ -496,7 +496,7 @@ def measure_all(
     for arch, zygote in (aiter or {}).items():
         work.append((zygote, configs(AITER_MODULES[arch])))
     with ThreadPoolExecutor(max_workers=len(work)) as pool:
-        jobs = [pool.submit(_measure_configs, z, c) for z, c in work]
+        jobs = [pool.submit(measure_configs, z, c) for z, c in work]
         return {k: v for job in jobs for k, v in job.result().items()}
 
 
@@ -716,7 +716,7 @@ def stack_trees() -> list[tuple[str, str]]:
 def measure_tree(rev: str) -> dict[str, dict]:
     """TREE_CONFIGS measured in the tree of commit ``rev``."""
     with pristine_zygote(rev) as zygote:
-        return _measure_configs(zygote, TREE_CONFIGS)
+        return measure_configs(zygote, TREE_CONFIGS)
 
 
 def render_prefixes(trees: list[tuple[str, str]], results: list[dict]) -> str:
