@@ -482,17 +482,13 @@ def measure_configs(zygote: Zygote, configs: list[Config]) -> dict[str, dict]:
 def measure_all(
     patched: Zygote,
     pristine: Zygote,
-    patched_configs: list[Config] | None = None,
     aiter: dict[str, Zygote] | None = None,
 ) -> dict[str, dict]:
     """{config id: measurement} of the baseline configurations (in
-    ``pristine``), of ``patched_configs`` (the patched NVIDIA and AMD modules by
-    default; in ``patched``) and, given ``aiter`` ({arch: zygote}), of each
-    arch's AITER configurations (in its zygote); the zygotes work at the same
-    time."""
-    if patched_configs is None:
-        patched_configs = configs("nvidia", "amd")
-    work = [(pristine, configs("baseline")), (patched, patched_configs)]
+    ``pristine``), of the patched NVIDIA and AMD modules (in ``patched``) and,
+    given ``aiter`` ({arch: zygote}), of each arch's AITER configurations (in
+    its zygote); the zygotes work at the same time."""
+    work = [(pristine, configs("baseline")), (patched, configs("nvidia", "amd"))]
     for arch, zygote in (aiter or {}).items():
         work.append((zygote, configs(AITER_MODULES[arch])))
     with ThreadPoolExecutor(max_workers=len(work)) as pool:

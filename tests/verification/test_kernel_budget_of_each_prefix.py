@@ -3,7 +3,8 @@
 Each patch lands upstream on its own, in series order, so every prefix of the
 stack is a vLLM that users run. This file measures the tree on PYTHONPATH
 (``kernel_budget.py`` says what counts) against vLLM 0.33.0 in every KV cache
-and mode (the release's counts as ``test_kernel_budget.py`` pins and checks them), for what each platform runs with it: NVIDIA the NVIDIA module, ROCm
+and mode (the release's counts as ``test_kernel_budget.py`` pins and checks
+them), for what each platform runs with it: NVIDIA the NVIDIA module, ROCm
 what the registry gives ``K3DSparkModel`` there (the NVIDIA module until the
 dispatch patch). ``make test`` runs it in each prefix row (that prefix's
 worktree) and in the verification row (the whole stack); the table of every
@@ -23,10 +24,12 @@ def budget(rocm) -> dict[str, dict]:
     """The tree's measurements, and the release's as pinned: test_kernel_budget.py
     measures the release in every run (verification row) and fails unless it
     equals the pins, so measuring it again here, once per prefix, would only
-    repeat that (about 20 s of CPU a row)."""
+    repeat that (about 30 s of CPU a prefix)."""
     release = {
         c.baseline.id: {
-            "counts": {phase: kb.parse_pin(ops) for phase, ops in PINS[c.baseline.id].items()}
+            "counts": {
+                phase: kb.parse_pin(ops) for phase, ops in PINS[c.baseline.id].items()
+            }
         }
         for c in kb.TREE_CONFIGS
     }
