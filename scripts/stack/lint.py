@@ -156,14 +156,31 @@ def pre_commit_pins(config: str) -> dict[str, str]:
     """The linter versions vLLM's pre-commit config pins, by package name."""
     pins = {}
     for package, repo in _HOOK_REPOS.items():
-        match = re.search(rf"repo: https://github\.com/{re.escape(repo)}\s*\n\s*rev: v?(\S+)",
-                          config)
-        if match:
-            pins[package] = match.group(1)
+        if version := _hook_rev(config, repo):
+            pins[package] = version
     for package in _HOOK_DEPENDENCIES:
         if match := re.search(rf"[\"']{package}==([^\"']+)[\"']", config):
             pins[package] = match.group(1)
     return pins
+
+
+def _hook_rev(config: str, repo: str) -> str | None:
+    """The version a hook repository's `rev` names.
+
+    A rev is a tag (`rev: v0.14.0`) or, as `pre-commit autoupdate --freeze`
+    writes it, a commit SHA followed by the tag it was frozen from
+    (`rev: <sha>  # frozen: v0.17.2`): the SHA is not a version.
+    """
+    match = re.search(rf"repo: https://github\.com/{re.escape(repo)}\s*\n"
+                      r"\s*rev: ['\"]?([^\s'\"#]+)['\"]?[ \t]*(?:#\s*frozen:\s*(\S+))?", config)
+    if not match:
+        return None
+    rev, frozen_from = match.groups()
+    if frozen_from:
+        rev = frozen_from
+    elif re.fullmatch(r"[0-9a-f]{40}", rev):
+        return None  # a bare SHA: nothing says which version it is
+    return rev.removeprefix("v")
 
 
 def locked_versions(lock: str) -> dict[str, str]:

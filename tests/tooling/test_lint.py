@@ -54,6 +54,25 @@ def test_pre_commit_pins_are_read_from_hook_revs_and_dependencies():
         "ruff": "0.14.0", "typos": "1.43.5", "mypy": "1.20.2", "pydantic": "2.13.5"}
 
 
+# vLLM 0.34.0 froze its hook revs (`pre-commit autoupdate --freeze`).
+FROZEN_CONFIG = PRE_COMMIT_CONFIG.replace(
+    "rev: v0.14.0", "rev: f368fb366ff7f2f808dd324b83a6d32267799e19  # frozen: v0.17.2").replace(
+    "rev: v1.43.5", "rev: 9023c1f779400877cafdd98052113fc777e2cfdc  # frozen: v1.51.1")
+
+
+def test_a_frozen_rev_is_read_as_the_version_it_was_frozen_from():
+    """Before: the SHA was taken for ruff's version, and no lock could match it."""
+    assert lint.pre_commit_pins(FROZEN_CONFIG) == {
+        "ruff": "0.17.2", "typos": "1.51.1", "mypy": "1.20.2", "pydantic": "2.13.5"}
+
+
+def test_a_bare_sha_rev_names_no_version(tmp_path):
+    config = FROZEN_CONFIG.replace("  # frozen: v0.17.2", "")
+    assert "ruff" not in lint.pre_commit_pins(config)
+    result = lint.check_linter_versions(*_project(tmp_path, config, LOCK))
+    assert not result.ok and "no longer pins ruff where this check looks" in result.output
+
+
 def test_the_real_lock_matches_the_real_pin_list():
     """requirements/lint.lock holds every linter the check compares."""
     repo = Path(__file__).resolve().parents[2]
