@@ -10,13 +10,17 @@ Both locks are for CPython 3.11 on x86_64 Linux, the platform of the pinned whee
 
 from __future__ import annotations
 
+import email.parser
 import json
+import re
 import sys
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.common import Layout, StackError, run, say
+from scripts.stack.requirements import Requirement, canonicalize_name
 from scripts.stack.fetch import ensure_artifact
 from scripts.stack.pin import load_pin
 
@@ -52,6 +56,55 @@ _HEADER = """\
 # Installed with `pip install --require-hashes`.
 # Platform: CPython 3.11, x86_64 Linux. Do not edit by hand.
 """
+
+
+# The platform both locks are for, as a marker sees it.
+_LOCK_PLATFORM = {
+    "python_version": "3.11", "python_full_version": "3.11.7", "os_name": "posix",
+    "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+    "implementation_name": "cpython", "platform_python_implementation": "CPython",
+}
+
+
+def wheel_requirements(wheel: Path) -> list[str]:
+    """The `Requires-Dist` lines of a wheel's METADATA."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist()
+                 if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+        if len(names) != 1:
+            raise StackError(f"{wheel.name} has no single .dist-info/METADATA")
+        metadata = email.parser.Parser().parsestr(zf.read(names[0]).decode("utf-8"))
+    return metadata.get_all("Requires-Dist") or []
+
+
+def lock_mismatches(requirements: list[str], lock: str) -> list[str]:
+    """The requirements (of the lock's platform, no extras) that the lock's
+    pinned versions do not satisfy, each as one line."""
+    locked = {canonicalize_name(m.group(1)): m.group(2)
+              for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", lock, re.MULTILINE)}
+    problems = []
+    for line in requirements:
+        req = Requirement(line)
+        if req.marker and not req.marker.evaluate({**_LOCK_PLATFORM, "extra": ""}):
+            continue
+        version = locked.get(canonicalize_name(req.name))
+        if version is None:
+            problems.append(f"{req.name}{req.specifier} (the lock has none)")
+        elif not req.specifier.contains(version, prereleases=True):
+            problems.append(f"{req.name}{req.specifier} (the lock has {version})")
+    return problems
+
+
+def check_lock_matches_wheel(layout: Layout, wheel: Path) -> None:
+    """Refuse a venv.lock made for another release: .venv installs the patched
+    tree with --no-deps, so tests would quietly run on the old dependency set."""
+    lock = VENV.lock(layout)
+    if problems := lock_mismatches(wheel_requirements(wheel), lock.read_text()):
+        shown = "\n  ".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")
+        raise StackError(
+            f"{lock.relative_to(layout.root)} does not satisfy {wheel.name}'s requirements "
+            f"({len(problems)}):\n  {shown}\nnext step: `make lock` (it resolves the lock "
+            "from the pinned wheel), then `make test`")
 
 
 def generate(layout: Layout) -> None:

@@ -25,7 +25,7 @@ from scripts.stack.gitrepo import (
     read_state,
     record_build_outputs,
 )
-from scripts.stack.lock import ENVIRONMENTS, VENV, LockedEnv
+from scripts.stack.lock import ENVIRONMENTS, VENV, LockedEnv, check_lock_matches_wheel
 from scripts.stack.pin import Pin, load_pin
 
 
@@ -60,6 +60,7 @@ def build(layout: Layout) -> None:
     if not is_stack_repo(layout.tree):
         raise StackError(f"{rel(layout.tree, layout)} does not exist; run `make apply` first")
     wheel = ensure_artifact(layout, pin.project, pin.wheel)
+    check_lock_matches_wheel(layout, wheel)
     for env in ENVIRONMENTS:
         _install_locked_dependencies(layout, env)
     _install_patched_tree(layout, pin, wheel)

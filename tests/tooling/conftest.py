@@ -138,14 +138,19 @@ def make_sdist(folder: Path, version: str, files: dict[str, bytes] | None = None
     return path
 
 
-def make_wheel(folder: Path, version: str) -> Path:
-    """A wheel (a zip) with a compiled kernel and a file the build copies into the tree."""
+def make_wheel(folder: Path, version: str, requires: list[str] | None = None) -> Path:
+    """A wheel (a zip) with a compiled kernel and a file the build copies into the tree;
+    with `requires`, a METADATA naming them as its `Requires-Dist`."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
     buf = io.BytesIO()
+    files = [("vllm/_C.abi3.so", hashlib.sha256(version.encode()).digest() * 64), WHEEL_COPY]
+    if requires is not None:
+        metadata = (f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n"
+                    + "".join(f"Requires-Dist: {r}\n" for r in requires))
+        files.append((f"vllm-{version}.dist-info/METADATA", metadata.encode()))
     with zipfile.ZipFile(buf, "w") as wheel:
-        for name, data in (("vllm/_C.abi3.so", hashlib.sha256(version.encode()).digest() * 64),
-                           WHEEL_COPY):
+        for name, data in files:
             wheel.writestr(zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0)), data)
     path.write_bytes(buf.getvalue())
     return path
