@@ -15,7 +15,7 @@ export TARGET VLLM_VERSION BASE_IMAGE IMAGE_TAG SMOKE_GCN_ARCH DOCKER_TARGET
 PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
-.PHONY: help apply patches rebase drift overlay install-overlay build test check bench \
+.PHONY: help apply patches rebase rebase-abandon drift overlay install-overlay build test check bench \
         gpubench lock clean fetch export rocm-image rocm-source-image
 
 # SIGNOFF reaches Python verbatim through the environment: unexpanded by make
@@ -36,6 +36,7 @@ help:
 	@echo "make check      fast self-check of the stack (no venv)"
 	@echo "make patches    export build/vllm's commits back to patches/ (maintainers)"
 	@echo "make rebase VLLM_VERSION=x.y.z   move the stack to another vLLM release"
+	@echo "make rebase-abandon  give up a rebase that stopped (its work kept as a branch)"
 	@echo "make drift [VLLM_VERSION=x.y.z]  try the stack on the newest release (changes nothing)"
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make bench      time apply/check/patches against their goals (prints figures)"
@@ -51,6 +52,9 @@ apply:
 
 patches:
 	$(STACK) patches
+
+rebase-abandon:
+	$(STACK) rebase --abandon
 
 rebase:
 	@test -n "$$VLLM_VERSION" || { echo "usage: make rebase VLLM_VERSION=x.y.z"; exit 2; }

@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("apply", help="build/vllm = pinned release + patches/series")
     sub.add_parser("patches", help="export build/vllm's commits to patches/")
     rebase = sub.add_parser("rebase", help="move the stack to another vLLM release")
-    rebase.add_argument("version")
+    rebase.add_argument("version", nargs="?")
+    rebase.add_argument("--abandon", action="store_true",
+                        help="give up the rebase in progress (its work kept as a branch)")
     drift = sub.add_parser("drift", help="try the stack on the newest vLLM release")
     drift.add_argument("version", nargs="?", default=None)
     sub.add_parser("overlay", help="regenerate vllm_overlay/ from build/vllm")
@@ -130,9 +132,14 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
 
         export_patches(layout)
     elif args.command == "rebase":
-        from scripts.stack.rebase import rebase
+        from scripts.stack.rebase import abandon, rebase
 
-        rebase(layout, args.version)
+        if args.abandon:
+            abandon(layout)
+        elif args.version is None:
+            raise StackError("usage: make rebase VLLM_VERSION=x.y.z (or make rebase-abandon)")
+        else:
+            rebase(layout, args.version)
     elif args.command == "drift":
         from scripts.stack.drift import drift
 

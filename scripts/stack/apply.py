@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from scripts.common import Layout, StackError, rel, say, shown, warn, write_atomically
+from scripts.common import Layout, StackError, rel, run, say, shown, warn, write_atomically
 from scripts.stack import overlay
 from scripts.stack.gitrepo import (
     BRANCH,
@@ -34,6 +34,7 @@ from scripts.stack.gitrepo import (
 )
 from scripts.stack.pin import Pin, load_pin
 from scripts.stack.series import (
+    NOTES_DIR,
     Patch,
     apply_to_index,
     check_patch_paths,
@@ -399,8 +400,9 @@ def export_patches(layout: Layout) -> None:
             changed += 1
     dropped = {name: _file_sha256(layout.patches_dir / name)
                for name in set(old_names) - rendered.keys()}
+    notes = _notes_to_remove(layout, dropped)
     write_state(tree, exporting={"series": series_text(list(rendered)).decode(),
-                                 "remove": dropped})
+                                 "remove": {**dropped, **notes}})
     finish_interrupted_export(layout, quiet=True)
     patches = read_series(layout)
     write_state(tree, status="applied", applied_head=head(tree),
@@ -408,6 +410,34 @@ def export_patches(layout: Layout) -> None:
     say(f"exported {len(rendered)} patch(es) to {rel(layout.patches_dir, layout)}/ "
         f"({changed} written, {len(dropped)} removed)")
     overlay.regenerate(layout, pin, list(rendered))
+
+
+def _notes_to_remove(layout: Layout, dropped_patches) -> dict[str, str]:
+    """The notes of the patches an export drops (`make check` refuses notes of no
+    patch), by `notes/<stem>.md` and digest: each only if the project's git has
+    it committed as it is. Any other is kept, and named."""
+    remove = {}
+    for name in dropped_patches:
+        path = layout.patches_dir / NOTES_DIR / f"{Path(name).stem}.md"
+        if path.is_symlink() or not path.is_file():
+            continue
+        if _committed_as_is(layout, path):
+            remove[f"{NOTES_DIR}/{path.name}"] = _file_sha256(path)
+        else:
+            warn(f"kept {rel(path, layout)}: its patch left the series, but the file is not "
+                 "committed as it is; move what it says elsewhere and delete it")
+    return remove
+
+
+def _committed_as_is(layout: Layout, path: Path) -> bool:
+    """Whether the project's git holds `path` at HEAD with these bytes."""
+    where = str(path.relative_to(layout.root))
+    committed = run(["git", "rev-parse", "-q", "--verify", f"HEAD:./{where}"], cwd=layout.root,
+                    check=False)
+    if committed.returncode != 0:
+        return False
+    current = run(["git", "hash-object", "--", where], cwd=layout.root, check=False)
+    return current.returncode == 0 and current.stdout.strip() == committed.stdout.strip()
 
 
 def finish_interrupted_export(layout: Layout, quiet: bool = False) -> None:
@@ -424,6 +454,9 @@ def finish_interrupted_export(layout: Layout, quiet: bool = False) -> None:
         path = layout.patches_dir / name
         if name not in listed and digest and _file_sha256(path) == digest:
             path.unlink()  # still in the project's git history, or in build/vllm's
+            if name.startswith(f"{NOTES_DIR}/"):
+                say(f"removed {rel(path, layout)}: its patch left the series "
+                    "(the project's git still has it)")
     write_state(tree, exporting=None)
     if not quiet:
         say(f"finished the export to {rel(layout.patches_dir, layout)}/ that an earlier "

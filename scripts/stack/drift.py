@@ -27,7 +27,7 @@ from scripts.stack.fetch import (
 from scripts.stack.gitrepo import create_base, git, is_stack_repo, read_state
 from scripts.stack.pin import Pin, check_version, load_pin
 from scripts.stack.rebase import pin_for
-from scripts.stack.series import Patch, read_series
+from scripts.stack.series import Patch, read_series, touched_paths
 
 
 def drift(layout: Layout, version: str | None = None) -> int:
@@ -62,6 +62,24 @@ def newest_release(pin: Pin) -> str:
     return newest_version(release_versions(files) + [pin.version])
 
 
+def _why(git_errors: str, earlier: list[Patch]) -> str:
+    """What stops a patch, from `git apply --check`'s errors: the files it does
+    not apply to, and the ones it needs that the release lacks. Those were there
+    in the pinned release (the series applies to it): an earlier patch creates
+    them, or upstream deleted them, and then resolving a conflict would bring a
+    deleted module back."""
+    missing = re.findall(r"error: ([^:\s]+): does not exist in index", git_errors)
+    failed = sorted(set(re.findall(r"error: (?:patch failed: )?([^:\s]+)", git_errors))
+                    - set(missing))
+    reasons = [", ".join(failed)] if failed else []
+    for path in missing:
+        creator = next((e.name for e in earlier if path in touched_paths(e.name, e.read())),
+                       None)
+        reasons.append(f"needs {path}, which {creator} creates" if creator else
+                       f"upstream deleted {path}: drop or re-home the patch")
+    return "; ".join(reasons)
+
+
 def _try_series(repo, new: Pin, patches: list[Patch]) -> int:
     """Apply each patch on top of those before it that applied; count the failures."""
     fd, index = tempfile.mkstemp(prefix="k3-drift-index-")
@@ -70,7 +88,7 @@ def _try_series(repo, new: Pin, patches: list[Patch]) -> int:
     broken = 0
     try:
         git(repo, "read-tree", new.base_tag, env=env)
-        for p in patches:
+        for i, p in enumerate(patches):
             path = str(p.path.resolve())
             if git(repo, "apply", "--cached", path, env=env, check=False).returncode == 0:
                 say(f"  applies          {p.name}")
@@ -81,9 +99,7 @@ def _try_series(repo, new: Pin, patches: list[Patch]) -> int:
             else:
                 result = git(repo, "apply", "--cached", "--check", path, env=env,
                              check=False)
-                files = sorted(set(re.findall(r"error: (?:patch failed: )?([^:\s]+)",
-                                              result.stderr)))
-                say(f"  does not apply   {p.name}: {', '.join(files)}")
+                say(f"  does not apply   {p.name}: {_why(result.stderr, patches[:i])}")
                 broken += 1
     finally:
         os.unlink(index)

@@ -10,7 +10,10 @@ old stack stays in build/vllm as branch `stack-<old version>`.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
 
 from scripts.common import Layout, StackError, rel, say, write_atomically
 from scripts.stack import apply
@@ -50,7 +53,7 @@ def rebase(layout: Layout, version: str) -> None:
         raise StackError(
             f"a rebase to vLLM {progress['pin']['version']} is in progress in "
             f"{rel(tree, layout)}; finish it with `make rebase VLLM_VERSION="
-            f"{progress['pin']['version']}` or abandon it (see README)")
+            f"{progress['pin']['version']}` or give it up with `make rebase-abandon`")
     if progress:
         _resume(layout, progress)
     else:
@@ -64,6 +67,7 @@ def _start(layout: Layout, version: str) -> dict:
     if version == old.version:
         raise StackError(f"the stack is already on vLLM {version}")
     apply.guard_tree(layout, "`make rebase`")
+    _refuse_resetting_work(layout, version)
     new = pin_for(old, version)
     sdist = ensure_artifact(layout, new.project, new.sdist)
     tree = layout.tree
@@ -72,7 +76,7 @@ def _start(layout: Layout, version: str) -> dict:
     new = Pin(new.version, release_commit_id(tree, commit) or "unknown",
               new.base_tag, new.sdist, new.wheel)
     git(tree, "branch", "-f", f"{BRANCH}-{old.version}", BRANCH)
-    git(tree, "checkout", "-q", "-B", f"rebase-{version}", commit)
+    git(tree, "checkout", "-q", "-B", rebase_branch(version), commit)
     progress = {"pin": _pin_dict(new), "patches": [p.name for p in read_series(layout)],
                 "next": 0, "three_way": [], "old_branch": f"{BRANCH}-{old.version}",
                 # patches/ as the rebase read it: what its export may overwrite
@@ -81,6 +85,35 @@ def _start(layout: Layout, version: str) -> dict:
     say(f"rebasing {len(progress['patches'])} patch(es) from vLLM {old.version} onto "
         f"{version} (3-way merge allowed; old stack kept as {progress['old_branch']})")
     return progress
+
+
+def rebase_branch(version: str) -> str:
+    return f"rebase-{version}"
+
+
+def _commits_only_on(tree, branch: str) -> list[str]:
+    """The commits `branch` holds that no other branch or tag reaches."""
+    ref = f"refs/heads/{branch}"
+    if git(tree, "rev-parse", "-q", "--verify", ref, check=False).returncode != 0:
+        return []
+    # (--exclude takes a branch's name without refs/heads/ before --branches)
+    return git(tree, "rev-list", ref, "--not", f"--exclude={branch}", "--branches",
+               "--tags").stdout.split()
+
+
+def _refuse_resetting_work(layout: Layout, version: str) -> None:
+    """A branch left by an earlier rebase (given up by hand) may hold resolved
+    patches: starting again would reset it and leave them to the reflog."""
+    tree, where, branch = layout.tree, rel(layout.tree, layout), rebase_branch(version)
+    if not (commits := _commits_only_on(tree, branch)):
+        return
+    newest = git(tree, "log", "-1", "--format=%s", commits[0]).stdout.strip()
+    raise StackError(
+        f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
+        f"to vLLM {version} (the newest: {newest!r}) that no other branch has; a new "
+        f"rebase would reset it. Keep them under another name (`git -C {where} branch -m "
+        f"{branch} <name>`) or delete the branch (`git -C {where} branch -D {branch}`), "
+        f"then run `make rebase VLLM_VERSION={version}` again.")
 
 
 def pin_for(old: Pin, version: str) -> Pin:
@@ -201,6 +234,12 @@ def _stop(layout: Layout, progress: dict, output: str) -> None:
     if "Patch is empty" in output or "patch is empty" in output.lower():
         what = (f"{name} changes nothing on vLLM {version}: it is probably upstream "
                 f"already. Drop it with `git -C {where} am --skip`")
+    elif deleted := _deleted_upstream(layout, progress, output, conflicted):
+        what = "; ".join(f"upstream deleted {path}" for path in deleted) + (
+            f" in vLLM {version}, and {name} changes it: drop the patch (`git -C {where} am "
+            f"--skip`) or re-home its change where the code went (by hand, then `git -C "
+            f"{where} add` what you changed and `git -C {where} rm` the deleted file). "
+            f"Resolving it as a conflict would bring the deleted file back")
     else:
         files = conflicted or sorted(set(re.findall(r"(?:patch failed|conflict in) ?:? ?([^\s:]+)",
                                                     output, re.I)))
@@ -210,9 +249,94 @@ def _stop(layout: Layout, progress: dict, output: str) -> None:
     raise StackError(
         f"{what}; then run `make rebase VLLM_VERSION={version}` again to go on.\n"
         f"Nothing is lost: pin.toml and patches/ are unchanged, the old stack is "
-        f"branch {progress['old_branch']} in {where}. To give up: "
-        f"`git -C {where} am --abort && git -C {where} checkout {BRANCH}`, then "
-        f"remove the \"rebase\" entry from {where}/.git/k3-stack.json.")
+        f"branch {progress['old_branch']} in {where}. To give up: `make rebase-abandon` "
+        f"(it keeps what this rebase did as a branch).")
+
+
+def abandon(layout: Layout) -> None:
+    """`make rebase-abandon`: give up the rebase in progress, losing nothing.
+
+    build/vllm goes back to branch `stack` on the old release (pin.toml and
+    patches/ were never changed). What the rebase did is kept as branch
+    `abandoned-rebase-<version>`: the patches it put on the new release and,
+    as its last commit, the unfinished resolution of the patch it stopped at.
+    """
+    tree, where = layout.tree, rel(layout.tree, layout)
+    if not is_stack_repo(tree) or not (progress := read_state(tree).get("rebase")):
+        raise StackError(f"no rebase is in progress in {where}: nothing to abandon")
+    version = progress["pin"]["version"]
+    remove_stale_git_locks(tree)
+    kept = _keep_rebase_work(layout, progress)
+    if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
+        git(tree, "am", "--quit")  # a killed am whose state was incomplete
+    git(tree, "checkout", "-q", "-f", BRANCH)
+    _remove_untracked_patch_files(layout, progress)
+    if git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{rebase_branch(version)}",
+           check=False).returncode == 0:
+        git(tree, "branch", "-q", "-D", rebase_branch(version))
+    write_state(tree, rebase=None, status="applied")
+    say(f"abandoned the rebase to vLLM {version}: {where} is back on branch {BRANCH} "
+        f"(pin.toml and patches/ unchanged)"
+        + (f"; what the rebase did is kept as branch {kept}" if kept else ""))
+
+
+def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
+    """Point a new branch at the rebase's commits, plus a commit of the work tree
+    when it holds changes (a resolution begun); return its name."""
+    tree, version = layout.tree, progress["pin"]["version"]
+    tip = head(tree)
+    fd, index = tempfile.mkstemp(prefix="k3-abandon-index-")
+    os.close(fd)
+    try:
+        shutil.copyfile(tree / ".git" / "index", index)
+        env = {"GIT_INDEX_FILE": index}
+        git(tree, "add", "-A", ".", env=env)
+        work = git(tree, "write-tree", env=env).stdout.strip()
+    finally:
+        os.unlink(index)
+    if work != git(tree, "rev-parse", f"{tip}^{{tree}}").stdout.strip():
+        stopped_at = progress["patches"][progress["next"]] \
+            if progress["next"] < len(progress["patches"]) else "the last patch"
+        tip = git(tree, "commit-tree", work, "-p", tip, "-F", "-", env=TOOL_IDENTITY,
+                  input=f"Unfinished resolution of {stopped_at} (rebase abandoned)\n"
+                  ).stdout.strip()
+    if tip == git(tree, "rev-parse", progress["pin"]["base_tag"]).stdout.strip():
+        return None  # nothing was done on the new release
+    name, n = f"abandoned-rebase-{version}", 1
+    while git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{name}",
+              check=False).returncode == 0:
+        n += 1
+        name = f"abandoned-rebase-{version}-{n}"
+    git(tree, "branch", name, tip)
+    return name
+
+
+def _remove_untracked_patch_files(layout: Layout, progress: dict) -> None:
+    """Files the stopped `git am` created that `stack` does not track (they are
+    kept in the abandoned branch): only the patch's own paths."""
+    if progress["next"] >= len(progress["patches"]):
+        return
+    name = progress["patches"][progress["next"]]
+    patch = layout.patches_dir / name
+    if patch.is_file() and (paths := touched_paths(name, patch.read_bytes())):
+        git(layout.tree, "clean", "-q", "-f", "--", *paths,
+            env={"GIT_LITERAL_PATHSPECS": "1"})
+
+
+def _deleted_upstream(layout: Layout, progress: dict, output: str,
+                      conflicted: list[str]) -> list[str]:
+    """The files the stopped patch changes that the old release had and the new
+    one lacks (a modify/delete conflict, or "does not exist in index")."""
+    tree = layout.tree
+    candidates = set(conflicted) | set(re.findall(r"error: ([^:\s]+): does not exist in index",
+                                                  output))
+    old_base = read_state(tree)["base_tag"]
+
+    def in_tree(rev: str, path: str) -> bool:
+        return git(tree, "cat-file", "-e", f"{rev}:{path}", check=False).returncode == 0
+
+    return sorted(path for path in candidates
+                  if in_tree(old_base, path) and not in_tree(progress["pin"]["base_tag"], path))
 
 
 def _finish(layout: Layout, progress: dict) -> None:
@@ -223,7 +347,7 @@ def _finish(layout: Layout, progress: dict) -> None:
     apply.refuse_overwriting_edits(layout, apply.rendered_stack(layout, new.base_tag),
                                    synced=progress.get("synced"))
     git(tree, "checkout", "-q", "-B", BRANCH, head(tree))
-    git(tree, "branch", "-q", "-D", f"rebase-{new.version}")
+    git(tree, "branch", "-q", "-D", rebase_branch(new.version))
     write_atomically(layout.pin_file, render_pin(new).encode())
     write_state(tree, base_tag=new.base_tag, base_sdist_sha256=new.sdist.sha256,
                 base_commit=git(tree, "rev-parse", new.base_tag).stdout.strip(),

@@ -69,3 +69,18 @@ def test_drift_on_the_newest_release_checks_nothing(stacked, index):
     result = stacked.run("drift")
     assert result.returncode == 0
     assert f"vLLM {V1} is the newest release" in result.stdout
+
+
+def test_drift_names_a_file_upstream_deleted_and_says_to_drop_or_rehome(stacked, index):
+    """Before, the deleted file was listed as an ordinary conflict, which a
+    maintainer resolves by bringing the deleted module back."""
+    index.add(*stacked.release(V1))
+    files = release_files(V2, "g7654321")
+    del files["vllm/models/foo.py"]
+    index.add(*stacked.release(V2, files, commit="g7654321"))
+    stacked.index_url = index.url
+    result = stacked.run("drift", V2)
+    assert result.returncode == 1
+    assert (f"does not apply   {PATCH_1}: upstream deleted vllm/models/foo.py: drop or "
+            "re-home the patch") in result.stdout
+    assert f"applies          {PATCH_2}" in result.stdout

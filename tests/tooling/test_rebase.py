@@ -175,3 +175,121 @@ def test_only_an_explicit_skip_drops_a_patch(stacked, upstream):
     assert f"dropped {PATCH_1} (skipped with `git am --skip`" in result.stdout
     assert stacked.series() == [PATCH_2]
     assert subjects(stacked, f"vllm-{V2}") == [SUBJECT_2]
+
+
+@pytest.fixture
+def upstream_without_foo(stacked, index):
+    """Serve 0.1.0 and a 0.2.0 that deleted vllm/models/foo.py (which patch 1 changes)."""
+    index.add(*stacked.release(V1))
+    files = release_files(V2, COMMIT_V2)
+    del files["vllm/models/foo.py"]
+    index.add(*stacked.release(V2, files, commit=COMMIT_V2))
+    stacked.index_url = index.url
+
+
+def test_a_patch_whose_file_upstream_deleted_is_not_called_a_conflict(stacked,
+                                                                     upstream_without_foo):
+    """Before: "conflicts ... resolve, `git add`", which brings the deleted file back."""
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert f"upstream deleted vllm/models/foo.py in vLLM {V2}, and {PATCH_1} changes it: " \
+        "drop the patch" in result.stderr
+    assert "conflicts with" not in result.stderr
+    # Dropping it, as the message says, finishes the rebase.
+    stacked.git("am", "--skip")
+    result = stacked.ok("rebase", V2)
+    assert f"dropped {PATCH_1}" in result.stdout
+    assert stacked.series() == [PATCH_2]
+    assert not (stacked.tree / "vllm/models/foo.py").exists()
+
+
+def test_starting_again_never_resets_a_branch_holding_resolved_patches(stacked, upstream):
+    """The old give-up recipe (am --abort, checkout stack, state entry removed by
+    hand) left rebase-<v> holding the resolution; the next rebase reset it."""
+    upstream(FOO_V2_CONFLICT)
+    assert stacked.run("rebase", V2).returncode == 1
+    (stacked.tree / "vllm/models/foo.py").write_text(
+        FOO_V2_CONFLICT.replace("BLOCK = 32", "BLOCK = 64"))
+    stacked.git("add", "vllm/models/foo.py")
+    stacked.git("am", "--continue")
+    resolved = stacked.git("rev-parse", f"rebase-{V2}")
+    stacked.git("checkout", "-q", "stack")
+    state = stacked.state()
+    del state["rebase"]
+    state["status"] = "applied"
+    stacked.state_file.write_text(__import__("json").dumps(state))
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1
+    assert f"branch rebase-{V2} in build/vllm holds 1 commit(s) of an earlier rebase" \
+        in result.stderr
+    assert stacked.git("rev-parse", f"rebase-{V2}") == resolved
+    assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack"
+
+
+def test_abandon_goes_back_to_the_old_stack_and_keeps_the_work_as_a_branch(stacked, upstream):
+    upstream(FOO_V2_CONFLICT)
+    old_head = stacked.head()
+    pin, patches = (stacked.root / "pin.toml").read_bytes(), stacked.patch_bytes()
+    result = stacked.run("rebase", V2)
+    assert "To give up: `make rebase-abandon`" in result.stderr
+    half = FOO_V2_CONFLICT.replace("BLOCK = 32", "BLOCK = 48  # half resolved")
+    (stacked.tree / "vllm/models/foo.py").write_text(half)
+    result = stacked.ok("rebase", "--abandon")
+    assert f"abandoned the rebase to vLLM {V2}: build/vllm is back on branch stack" \
+        in result.stdout
+    assert f"kept as branch abandoned-rebase-{V2}" in result.stdout
+    # Back where it was, nothing changed in the project.
+    assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack"
+    assert stacked.head() == old_head
+    assert not (stacked.tree / ".git" / "rebase-apply").exists()
+    assert stacked.state().get("rebase") is None
+    assert (stacked.root / "pin.toml").read_bytes() == pin
+    assert stacked.patch_bytes() == patches
+    assert stacked.git("status", "--porcelain") == ""
+    # The half-done resolution is the kept branch's last commit, on the new release.
+    kept = f"abandoned-rebase-{V2}"
+    assert stacked.git("show", f"{kept}:vllm/models/foo.py") + "\n" == half
+    assert stacked.git("rev-parse", f"{kept}^") == stacked.git("rev-parse", f"vllm-{V2}")
+    assert "2 patch(es) already applied" in stacked.ok("apply").stdout
+    # A second rebase starts afresh, and its own abandon keeps its own branch.
+    assert stacked.run("rebase", V2).returncode == 1
+    assert "2" in stacked.ok("rebase", "--abandon").stdout.split("kept as branch ")[1]
+    assert stacked.git("rev-parse", kept)
+
+
+def test_abandon_without_a_rebase_says_so(stacked):
+    result = stacked.run("rebase", "--abandon")
+    assert result.returncode == 1
+    assert "no rebase is in progress in build/vllm: nothing to abandon" in result.stderr
+
+
+def test_a_dropped_patch_takes_its_committed_notes_along(stacked, upstream_without_foo):
+    """Before: patches/notes/<dropped>.md stayed, and the next `make check` failed."""
+    notes = stacked.patches / "notes"
+    notes.mkdir()
+    stem_1, stem_2 = PATCH_1.removesuffix(".patch"), PATCH_2.removesuffix(".patch")
+    (notes / f"{stem_1}.md").write_text("# notes of patch 1\n")
+    (notes / f"{stem_2}.md").write_text("# notes of patch 2\n")
+    stacked.git("init", "-q", cwd=stacked.root)
+    stacked.git("add", "patches", cwd=stacked.root)
+    stacked.git("commit", "-q", "-m", "project", cwd=stacked.root)
+    assert stacked.run("rebase", V2).returncode == 1
+    stacked.git("am", "--skip")
+    result = stacked.ok("rebase", V2)
+    assert f"removed patches/notes/{stem_1}.md: its patch left the series" in result.stdout
+    assert sorted(p.name for p in notes.iterdir()) == [f"{stem_2}.md"]
+    assert "check OK: 1 patch(es)" in stacked.ok("check").stdout
+
+
+def test_the_notes_of_a_dropped_patch_are_kept_when_not_committed_as_they_are(
+        stacked, upstream_without_foo):
+    notes = stacked.patches / "notes"
+    notes.mkdir()
+    note = notes / f"{PATCH_1.removesuffix('.patch')}.md"
+    note.write_text("# written today, never committed\n")
+    assert stacked.run("rebase", V2).returncode == 1
+    stacked.git("am", "--skip")
+    result = stacked.ok("rebase", V2)
+    assert f"kept patches/notes/{note.name}: its patch left the series" in result.stderr
+    assert note.read_text() == "# written today, never committed\n"
