@@ -297,7 +297,10 @@ def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
     if work != git(tree, "rev-parse", f"{tip}^{{tree}}").stdout.strip():
         stopped_at = progress["patches"][progress["next"]] \
             if progress["next"] < len(progress["patches"]) else "the last patch"
-        tip = git(tree, "commit-tree", work, "-p", tip, "-F", "-", env=TOOL_IDENTITY,
+        # The tool's identity as author too: a fresh machine may have none.
+        identity = {**TOOL_IDENTITY, "GIT_AUTHOR_NAME": TOOL_IDENTITY["GIT_COMMITTER_NAME"],
+                    "GIT_AUTHOR_EMAIL": TOOL_IDENTITY["GIT_COMMITTER_EMAIL"]}
+        tip = git(tree, "commit-tree", work, "-p", tip, "-F", "-", env=identity,
                   input=f"Unfinished resolution of {stopped_at} (rebase abandoned)\n"
                   ).stdout.strip()
     if tip == git(tree, "rev-parse", progress["pin"]["base_tag"]).stdout.strip():

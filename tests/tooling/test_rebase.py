@@ -235,6 +235,7 @@ def test_abandon_goes_back_to_the_old_stack_and_keeps_the_work_as_a_branch(stack
     assert "To give up: `make rebase-abandon`" in result.stderr
     half = FOO_V2_CONFLICT.replace("BLOCK = 32", "BLOCK = 48  # half resolved")
     (stacked.tree / "vllm/models/foo.py").write_text(half)
+    stacked.no_git_identity()  # as on a fresh machine (CI)
     result = stacked.ok("rebase", "--abandon")
     assert f"abandoned the rebase to vLLM {V2}: build/vllm is back on branch stack" \
         in result.stdout
