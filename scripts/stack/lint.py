@@ -19,7 +19,7 @@ from pathlib import Path
 
 from scripts.common import Layout, say
 from scripts.stack.gitrepo import git
-from scripts.stack.lock import LINT
+from scripts.stack.lock import LINT, locked_versions
 
 _PRE_COMMIT = "tools/pre_commit"
 # vLLM's mypy hook checks against the oldest Python vLLM supports.
@@ -181,11 +181,6 @@ def _hook_rev(config: str, repo: str) -> str | None:
     elif re.fullmatch(r"[0-9a-f]{40}", rev):
         return None  # a bare SHA: nothing says which version it is
     return rev.removeprefix("v")
-
-
-def locked_versions(lock: str) -> dict[str, str]:
-    return {m.group(1).lower(): m.group(2)
-            for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", lock, re.MULTILINE)}
 
 
 def check_linter_versions(layout: Layout, tree: Path) -> LintResult:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.common import Layout, StackError, run, say
-from scripts.stack.requirements import Requirement, canonicalize_name
 from scripts.stack.fetch import ensure_artifact
 from scripts.stack.pin import load_pin
+from scripts.stack.requirements import Requirement, canonicalize_name
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,16 @@ def wheel_requirements(wheel: Path) -> list[str]:
     return metadata.get_all("Requires-Dist") or []
 
 
+def locked_versions(lock: str) -> dict[str, str]:
+    """A lock's pinned versions, by normalized package name."""
+    return {canonicalize_name(m.group(1)): m.group(2)
+            for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", lock, re.MULTILINE)}
+
+
 def lock_mismatches(requirements: list[str], lock: str) -> list[str]:
     """The requirements (of the lock's platform, no extras) that the lock's
     pinned versions do not satisfy, each as one line."""
-    locked = {canonicalize_name(m.group(1)): m.group(2)
-              for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", lock, re.MULTILINE)}
+    locked = locked_versions(lock)
     problems = []
     for line in requirements:
         req = Requirement(line)

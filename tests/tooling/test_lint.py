@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from scripts.common import Layout
-from scripts.stack import lint
+from scripts.stack import lint, lock
 
 # The shape of the pinned release's .pre-commit-config.yaml, cut down.
 PRE_COMMIT_CONFIG = """\
@@ -76,7 +76,7 @@ def test_a_bare_sha_rev_names_no_version(tmp_path):
 def test_the_real_lock_matches_the_real_pin_list():
     """requirements/lint.lock holds every linter the check compares."""
     repo = Path(__file__).resolve().parents[2]
-    locked = lint.locked_versions((repo / "requirements" / "lint.lock").read_text())
+    locked = lock.locked_versions((repo / "requirements" / "lint.lock").read_text())
     assert set(lint.pre_commit_pins(PRE_COMMIT_CONFIG)) <= set(locked)
 
 
