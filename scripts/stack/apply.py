@@ -400,7 +400,7 @@ def export_patches(layout: Layout) -> None:
             changed += 1
     dropped = {name: _file_sha256(layout.patches_dir / name)
                for name in set(old_names) - rendered.keys()}
-    notes = _notes_to_remove(layout, dropped)
+    notes = _notes_to_remove(layout, dropped, added=rendered.keys() - set(old_names))
     write_state(tree, exporting={"series": series_text(list(rendered)).decode(),
                                  "remove": {**dropped, **notes}})
     finish_interrupted_export(layout, quiet=True)
@@ -412,16 +412,22 @@ def export_patches(layout: Layout) -> None:
     overlay.regenerate(layout, pin, list(rendered))
 
 
-def _notes_to_remove(layout: Layout, dropped_patches) -> dict[str, str]:
+def _notes_to_remove(layout: Layout, dropped_patches, added) -> dict[str, str]:
     """The notes of the patches an export drops (`make check` refuses notes of no
     patch), by `notes/<stem>.md` and digest: each only if the project's git has
-    it committed as it is. Any other is kept, and named."""
+    it committed as it is, and only when no patch joins the series (a changed
+    subject renames a patch: its notes are to be renamed, not lost). Any other
+    is kept, and named."""
     remove = {}
     for name in dropped_patches:
         path = layout.patches_dir / NOTES_DIR / f"{Path(name).stem}.md"
         if path.is_symlink() or not path.is_file():
             continue
-        if _committed_as_is(layout, path):
+        if added:
+            warn(f"kept {rel(path, layout)}: its patch left the series while "
+                 f"{', '.join(sorted(added))} joined it; if one is the same patch renamed, "
+                 "rename the notes to its stem, else delete them")
+        elif _committed_as_is(layout, path):
             remove[f"{NOTES_DIR}/{path.name}"] = _file_sha256(path)
         else:
             warn(f"kept {rel(path, layout)}: its patch left the series, but the file is not "

@@ -294,3 +294,21 @@ def test_the_notes_of_a_dropped_patch_are_kept_when_not_committed_as_they_are(
     result = stacked.ok("rebase", V2)
     assert f"kept patches/notes/{note.name}: its patch left the series" in result.stderr
     assert note.read_text() == "# written today, never committed\n"
+
+
+def test_a_renamed_patch_keeps_its_notes(stacked):
+    """A changed subject renames the patch file: to the export that is one patch
+    dropped and one added, and the notes must not go with the "dropped" one."""
+    notes = stacked.patches / "notes"
+    notes.mkdir()
+    note = notes / f"{PATCH_2.removesuffix('.patch')}.md"
+    note.write_text("# notes of patch 2\n")
+    stacked.git("init", "-q", cwd=stacked.root)
+    stacked.git("add", "patches", cwd=stacked.root)
+    stacked.git("commit", "-q", "-m", "project", cwd=stacked.root)
+    message = stacked.git("log", "-1", "--format=%B").replace(SUBJECT_2, "[ROCm] Add a new model")
+    stacked.git("commit", "-q", "--amend", "-F", "-", input=message)
+    result = stacked.ok("patches")
+    assert f"kept patches/notes/{note.name}: its patch left the series while " \
+        "rocm-add-a-new-model.patch joined it" in result.stderr
+    assert note.read_text() == "# notes of patch 2\n"
