@@ -21,7 +21,7 @@ from pathlib import Path
 
 from scripts.common import Layout, StackError, run, say
 from scripts.stack.fetch import ensure_artifact
-from scripts.stack.pin import load_pin
+from scripts.stack.pin import Pin, load_pin
 from scripts.stack.requirements import Requirement, canonicalize_name
 
 
@@ -77,6 +77,27 @@ def wheel_requirements(wheel: Path) -> list[str]:
     return metadata.get_all("Requires-Dist") or []
 
 
+def pinned_requirements(pin: Pin, wheel: Path) -> list[str]:
+    """The wheel's requirements as the lock must hold them: each of pin.toml's
+    substitutes in place of the requirement it names."""
+    requirements = wheel_requirements(wheel)
+    for sub in pin.substitutes:
+        if sub.requirement not in requirements:
+            raise StackError(
+                f"pin.toml: lock.substitute names {sub.requirement!r}, which {wheel.name} "
+                "does not require: remove the entry, or make it name the requirement "
+                "exactly as the wheel's METADATA has it")
+        requirements = [sub.use if r == sub.requirement else r for r in requirements]
+    return requirements
+
+
+def _of_lock_platform(requirements: list[str]) -> list[Requirement]:
+    """The requirements whose markers hold on the lock's platform, no extras."""
+    parsed = [Requirement(line) for line in requirements]
+    return [req for req in parsed
+            if not req.marker or req.marker.evaluate({**_LOCK_PLATFORM, "extra": ""})]
+
+
 def locked_versions(lock: str) -> dict[str, str]:
     """A lock's pinned versions, by normalized package name."""
     return {canonicalize_name(m.group(1)): m.group(2)
@@ -88,10 +109,7 @@ def lock_mismatches(requirements: list[str], lock: str) -> list[str]:
     pinned versions do not satisfy, each as one line."""
     locked = locked_versions(lock)
     problems = []
-    for line in requirements:
-        req = Requirement(line)
-        if req.marker and not req.marker.evaluate({**_LOCK_PLATFORM, "extra": ""}):
-            continue
+    for req in _of_lock_platform(requirements):
         version = locked.get(canonicalize_name(req.name))
         if version is None:
             problems.append(f"{req.name}{req.specifier} (the lock has none)")
@@ -100,11 +118,11 @@ def lock_mismatches(requirements: list[str], lock: str) -> list[str]:
     return problems
 
 
-def check_lock_matches_wheel(layout: Layout, wheel: Path) -> None:
+def check_lock_matches_wheel(layout: Layout, pin: Pin, wheel: Path) -> None:
     """Refuse a venv.lock made for another release: .venv installs the patched
     tree with --no-deps, so tests would quietly run on the old dependency set."""
     lock = VENV.lock(layout)
-    if problems := lock_mismatches(wheel_requirements(wheel), lock.read_text()):
+    if problems := lock_mismatches(pinned_requirements(pin, wheel), lock.read_text()):
         shown = "\n  ".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")
         raise StackError(
             f"{lock.relative_to(layout.root)} does not satisfy {wheel.name}'s requirements "
@@ -119,23 +137,31 @@ def generate(layout: Layout) -> None:
 
 def _generate(layout: Layout, env: LockedEnv) -> None:
     pin = load_pin(layout.pin_file)
-    wheel = [str(ensure_artifact(layout, pin.project, pin.wheel))] \
-        if env.with_vllm_dependencies else []
     with tempfile.TemporaryDirectory() as tmp:
+        sources = ["-r", str(env.source(layout))]
+        if env.with_vllm_dependencies:
+            # The wheel's requirements rather than the wheel itself, so that
+            # pin.toml's substitutes take the place of what the index lacks.
+            wheel = ensure_artifact(layout, pin.project, pin.wheel)
+            vllm_requirements = Path(tmp) / "vllm-requirements.txt"
+            vllm_requirements.write_text("".join(
+                f"{req}\n" for req in _of_lock_platform(pinned_requirements(pin, wheel))))
+            sources += ["-r", str(vllm_requirements)]
         report = Path(tmp) / "report.json"
         say(f"resolving {env.path(layout).name}'s dependencies with pip (dry run)")
         run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-             "--quiet", "--report", str(report), "-r", str(env.source(layout)), *wheel])
+             "--quiet", "--report", str(report), *sources])
         data = json.loads(report.read_text())
     lines = []
     for item in sorted(data["install"], key=lambda i: i["metadata"]["name"].lower()):
         name, version = item["metadata"]["name"], item["metadata"]["version"]
-        if name.lower() == pin.project:
-            continue
         sha = item["download_info"].get("archive_info", {}).get("hashes", {}).get("sha256")
         if not sha:
             raise StackError(f"pip reported no sha256 for {name} {version}")
         lines.append(f"{name}=={version} \\\n    --hash=sha256:{sha}\n")
     extra = " and the pinned vLLM wheel's\n# dependencies" if env.with_vllm_dependencies else ""
+    if env.with_vllm_dependencies:
+        extra += "".join(f"\n# {sub.use} in place of the wheel's {sub.requirement} (pin.toml)"
+                         for sub in pin.substitutes)
     env.lock(layout).write_text(_HEADER.format(name=env.name, extra=extra) + "".join(lines))
     say(f"wrote {env.lock(layout)} ({len(lines)} packages)")

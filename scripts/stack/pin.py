@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.common import StackError, read_regular
+from scripts.stack.requirements import InvalidRequirement, Requirement, canonicalize_name
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # A public PEP 440 version as vLLM publishes them: 0.33.0, 0.34.0rc1, 0.10.1.post1.
@@ -26,12 +28,24 @@ class Artifact:
 
 
 @dataclass(frozen=True)
+class Substitute:
+    """A requirement of the pinned wheel that the package index cannot serve,
+    and the one `make lock` resolves instead. Release-specific: a rebase drops
+    it, and the lock tools refuse one the wheel no longer requires."""
+
+    requirement: str  # exactly as the wheel's Requires-Dist has it
+    use: str  # a requirement of the same package
+    why: str
+
+
+@dataclass(frozen=True)
 class Pin:
     version: str
     commit: str
     base_tag: str
     sdist: Artifact
     wheel: Artifact
+    substitutes: tuple[Substitute, ...] = ()
 
     @property
     def project(self) -> str:
@@ -63,7 +77,8 @@ def load_pin(path: Path) -> Pin:
                          f"vllm-{version}: letters, digits, '.', '_', '-', not starting with "
                          f"'-'); {_FIX}")
     pin = Pin(version, fields.text("vllm", "commit"), base_tag,
-              sdist=_artifact(fields, "sdist"), wheel=_artifact(fields, "wheel"))
+              sdist=_artifact(fields, "sdist"), wheel=_artifact(fields, "wheel"),
+              substitutes=_substitutes(fields))
     if pin.version not in pin.sdist.filename or pin.version not in pin.wheel.filename:
         raise StackError(f"{path}: artifact file names do not match version {pin.version}; "
                          f"{_FIX}")
@@ -113,6 +128,31 @@ def _artifact(fields: _Fields, kind: str) -> Artifact:
     return art
 
 
+def _substitutes(fields: _Fields) -> tuple[Substitute, ...]:
+    entries = fields.data.get("lock", {}).get("substitute", [])
+    if not isinstance(entries, list):
+        raise StackError(f"{fields.path}: lock.substitute must be an array of tables "
+                         f"([[lock.substitute]]); {_FIX}")
+    found = []
+    for i, entry in enumerate(entries):
+        table = f"substitute[{i}]"
+        one = _Fields(fields.path, {"lock": {table: entry}})
+        sub = Substitute(*(one.text(f"lock.{table}", key)
+                           for key in ("requirement", "use", "why")))
+        if _requirement_name(sub.requirement) != _requirement_name(sub.use):
+            raise StackError(f"{fields.path}: lock.substitute[{i}] replaces "
+                             f"{sub.requirement!r} with {sub.use!r}, another package; {_FIX}")
+        found.append(sub)
+    return tuple(found)
+
+
+def _requirement_name(requirement: str) -> str:
+    try:
+        return canonicalize_name(Requirement(requirement).name)
+    except InvalidRequirement as e:
+        raise StackError(f"{requirement!r} is not a requirement ({e}); {_FIX}")
+
+
 def render_pin(pin: Pin) -> str:
     """pin.toml text for `pin` (used when `make rebase` moves to a new release)."""
     def art(kind: str, a: Artifact) -> str:
@@ -129,4 +169,10 @@ def render_pin(pin: Pin) -> str:
         "# Tag of the pristine release commit in build/vllm.\n"
         f"base_tag = \"{pin.base_tag}\"\n\n"
         + art("sdist", pin.sdist) + "\n" + art("wheel", pin.wheel)
+        + "".join(_render_substitute(sub) for sub in pin.substitutes)
     )
+
+
+def _render_substitute(sub: Substitute) -> str:
+    return ("\n[[lock.substitute]]\n" + "".join(
+        f"{key} = {json.dumps(getattr(sub, key))}\n" for key in ("requirement", "use", "why")))

@@ -60,7 +60,7 @@ def build(layout: Layout) -> None:
     if not is_stack_repo(layout.tree):
         raise StackError(f"{rel(layout.tree, layout)} does not exist; run `make apply` first")
     wheel = ensure_artifact(layout, pin.project, pin.wheel)
-    check_lock_matches_wheel(layout, wheel)
+    check_lock_matches_wheel(layout, pin, wheel)
     for env in ENVIRONMENTS:
         _install_locked_dependencies(layout, env)
     _install_patched_tree(layout, pin, wheel)

@@ -5,10 +5,16 @@ set (vLLM 0.34.0 pins flashinfer-python 0.7.3; 0.33.0's lock has 0.7.2.post1).""
 
 from __future__ import annotations
 
+import json
 import shutil
+from dataclasses import replace
+from pathlib import Path
 
+import pytest
+
+from scripts.common import Layout, StackError
 from scripts.stack import lock
-from scripts.stack.pin import render_pin
+from scripts.stack.pin import Pin, Substitute, load_pin, render_pin
 from tests.tooling.conftest import V1, make_sdist, make_wheel, pin_for, release_files
 
 REQUIRES = [
@@ -60,3 +66,74 @@ def test_build_refuses_the_lock_of_another_release_before_creating_a_venv(projec
             "  flashinfer-python==0.7.3 (the lock has 0.7.2.post1)\n"
             "next step: `make lock`") in result.stderr
     assert not (project.root / ".venv").exists()
+
+
+# vLLM 0.34.0's case: its wheel pins flashinfer-python==0.7.3, which the package
+# index does not serve. pin.toml names what the lock takes instead.
+SUBSTITUTE = Substitute("flashinfer-python==0.7.3", "flashinfer-python==0.7.4",
+                        "the index has no 0.7.3")
+
+
+def _pin_with_substitute(tmp_path: Path, requires: list[str]) -> tuple[Pin, Path]:
+    wheel = make_wheel(tmp_path, V1, requires)
+    pin = replace(pin_for(V1, wheel, wheel), substitutes=(SUBSTITUTE,))
+    return pin, wheel
+
+
+def test_the_lock_is_held_to_the_substitute_not_to_the_requirement_it_replaces(tmp_path):
+    pin, wheel = _pin_with_substitute(tmp_path, REQUIRES)
+    requirements = lock.pinned_requirements(pin, wheel)
+    substituted = LOCK.replace("flashinfer_python==0.7.3", "flashinfer-python==0.7.4")
+    assert lock.lock_mismatches(requirements, substituted) == []
+    assert lock.lock_mismatches(requirements, LOCK) == [
+        "flashinfer-python==0.7.4 (the lock has 0.7.3)"]
+
+
+def test_a_substitute_for_a_requirement_the_wheel_no_longer_has_is_refused(tmp_path):
+    pin, wheel = _pin_with_substitute(
+        tmp_path, [r.replace("0.7.3", "0.7.5") for r in REQUIRES])
+    with pytest.raises(StackError) as err:
+        lock.pinned_requirements(pin, wheel)
+    assert str(err.value).startswith(
+        f"pin.toml: lock.substitute names 'flashinfer-python==0.7.3', which {wheel.name} "
+        "does not require: remove the entry")
+
+
+def test_make_lock_resolves_the_substitute_and_says_so_in_the_lock(tmp_path, monkeypatch):
+    pin, wheel = _pin_with_substitute(tmp_path, REQUIRES)
+    layout = Layout(tmp_path / "project")
+    (layout.root / "requirements").mkdir(parents=True)
+    layout.pin_file.write_text(render_pin(pin))
+    lock.VENV.source(layout).write_text("pytest\n")
+    resolved: list[str] = []
+
+    def pip(argv, **_kwargs):  # what pip was asked to resolve, and a report of it
+        files = [Path(argv[i + 1]) for i, arg in enumerate(argv) if arg == "-r"]
+        resolved.extend(line for f in files for line in f.read_text().splitlines())
+        report = {"install": [
+            {"metadata": {"name": "flashinfer-python", "version": "0.7.4"},
+             "download_info": {"archive_info": {"hashes": {"sha256": "ab" * 32}}}}]}
+        Path(argv[argv.index("--report") + 1]).write_text(json.dumps(report))
+
+    monkeypatch.setattr(lock, "run", pip)
+    monkeypatch.setattr(lock, "ensure_artifact", lambda *_args: wheel)
+    lock._generate(layout, lock.VENV)
+    assert resolved == ["pytest", "torch==2.14.0", "flashinfer-python==0.7.4",
+                        "fastapi[standard]<0.137.0,>=0.133.0"]
+    written = lock.VENV.lock(layout).read_text()
+    assert ("# flashinfer-python==0.7.4 in place of the wheel's flashinfer-python==0.7.3 "
+            "(pin.toml)") in written
+    assert "flashinfer-python==0.7.4 \\\n    --hash=sha256:" + "ab" * 32 in written
+
+
+def test_pin_toml_keeps_its_substitutes_and_refuses_one_for_another_package(tmp_path):
+    pin, _wheel = _pin_with_substitute(tmp_path, REQUIRES)
+    path = tmp_path / "pin.toml"
+    path.write_text(render_pin(pin))
+    assert load_pin(path) == pin
+    path.write_text(render_pin(replace(pin, substitutes=(
+        replace(SUBSTITUTE, use="flashinfer-cubin==0.7.4"),))))
+    with pytest.raises(StackError) as err:
+        load_pin(path)
+    assert "lock.substitute[0] replaces 'flashinfer-python==0.7.3' with " \
+        "'flashinfer-cubin==0.7.4', another package" in str(err.value)
