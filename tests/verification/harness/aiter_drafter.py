@@ -541,10 +541,10 @@ def per_layer_precompile(layers: dict) -> Iterator[None]:
         calls.append((tuple(X.shape), tuple(WQ.shape)))
         return fn(X, WQ, w_scale, **kwargs)
 
-    def recorded_pwal(self, act_dtype):
+    def recorded_pwal(self):
         first, first_call = len(SKIPPED), len(calls)
         start = time.perf_counter()
-        pwal(self, act_dtype)
+        pwal(self)
         layers[self.layer_name] = {
             "launches": SKIPPED[first:],
             "calls": calls[first_call:],

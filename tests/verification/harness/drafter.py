@@ -352,32 +352,19 @@ def build(
 
 
 def _build_from(cls, vllm_config, hf_config, checkpoint_dir: str, seed: int) -> Draft:
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
     tensors = write_checkpoint(hf_config, checkpoint_dir, seed)
     with config_context(vllm_config):
         init_dist()
         model = cls(vllm_config=vllm_config, prefix="")
         loaded = model.load_weights(read_checkpoint(checkpoint_dir))
-        for module in model.modules():
-            if module is model:
-                continue
-            pwal = getattr(module, "process_weights_after_loading", None)
-            if pwal is None:
-                continue
-            if hasattr(module, "kv_cache") or hasattr(module, "impl"):
-                pwal(torch.bfloat16)  # attention layers take the act dtype
-        _quant_pwal(model)
-        model.process_weights_after_loading()
+        # As the loader runs it: every quant method, then each module's own
+        # no-argument hook, children first (finalize_model_weights).
+        process_weights_after_loading(
+            model, vllm_config.model_config, torch.device("cpu")
+        )
     return Draft(model, vllm_config, hf_config, tensors, set(loaded))
-
-
-def _quant_pwal(model) -> None:
-    """What the model loader does for every linear after loading."""
-    for module in model.modules():
-        quant_method = getattr(module, "quant_method", None)
-        if quant_method is not None and hasattr(
-            quant_method, "process_weights_after_loading"
-        ):
-            quant_method.process_weights_after_loading(module)
 
 
 @dataclass(frozen=True)

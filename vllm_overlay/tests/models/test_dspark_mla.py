@@ -9,10 +9,12 @@ import torch.nn as nn
 
 import vllm.models.kimi_k3 as kimi_k3
 from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.models.qwen3_dspark import DSparkMarkovHead
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.models.deepseek_v4.nvidia import dspark as dsv4_dspark
+from vllm.models.deepseek_v41.nvidia import dspark as dsv41_dspark
 from vllm.models.kimi_k3.common import dspark_mla
 from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkForCausalLM, K3DSparkModel
 
@@ -237,6 +239,14 @@ def test_v41_dspark_loads_linear_scales(
         param.copy_(weight)
 
     param.weight_loader = load_scale
+    params = {runtime_name: param}
+    context_param = None
+    if ".attn.wkv." in checkpoint_name:
+        context_param = nn.Parameter(
+            torch.empty_like(checkpoint_scale), requires_grad=False
+        )
+        context_param.weight_loader = load_scale
+        params[f"model.context_wkv_proj.{scale_name}"] = context_param
     draft = SimpleNamespace(
         config=SimpleNamespace(num_attention_heads=4, n_routed_experts=1),
         quant_config=SimpleNamespace(
@@ -255,7 +265,7 @@ def test_v41_dspark_loads_linear_scales(
             ],
             confidence_head=None,
         ),
-        named_parameters=lambda: [(runtime_name, param)],
+        named_parameters=lambda: params.items(),
         process_weights_after_loading=lambda: None,
     )
     draft._remap_dspark_name = lambda name: (
@@ -269,8 +279,12 @@ def test_v41_dspark_loads_linear_scales(
         draft, [(checkpoint_name, checkpoint_scale)]
     )
 
-    assert loaded == {runtime_name}
-    assert shards == [() if shard_id is None else (shard_id,)]
+    assert loaded == set(params)
+    expected_shards = [() if shard_id is None else (shard_id,)]
+    if context_param is not None:
+        expected_shards.append((0,))
+        torch.testing.assert_close(context_param, checkpoint_scale)
+    assert shards == expected_shards
     torch.testing.assert_close(param, checkpoint_scale)
 
 
@@ -347,7 +361,59 @@ def test_dsv4_context_wkv_weights_are_duplicated_by_draft_layer():
     assert duplicated[3][1].data_ptr() == duplicated[4][1].data_ptr()
 
 
-def test_dsv4_context_kv_uses_one_stacked_wkv_projection(monkeypatch):
+@pytest.mark.cpu_test
+def test_v41_context_wkv_loads_each_layer_into_both_projections(monkeypatch):
+    """Duplicating context weights must preserve query WKV and layer order."""
+    from vllm.model_executor import parameter
+
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: 3)
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 4)
+    projections = [
+        MergedColumnParallelLinear(
+            5, sizes, bias=False, disable_tp=True, params_dtype=torch.float32
+        )
+        for sizes in ([2, 4], [2, 4], [2, 4], [4, 4, 4])
+    ]
+    for projection in projections:
+        projection.weight.data.fill_(-1)
+    params = {
+        f"model.layers.{i}.attn.fused_wqa_wkv.weight": projection.weight
+        for i, projection in enumerate(projections[:3])
+    }
+    params["model.context_wkv_proj.weight"] = projections[3].weight
+    draft = SimpleNamespace(
+        config=SimpleNamespace(n_routed_experts=1),
+        linear_scale_name="weight_scale",
+        pad_shared_expert=False,
+        model=SimpleNamespace(
+            layers=[
+                SimpleNamespace(ffn=SimpleNamespace(use_native_mega_moe=False))
+                for _ in range(3)
+            ],
+            confidence_head=None,
+        ),
+        named_parameters=lambda: params.items(),
+    )
+    draft._remap_dspark_name = lambda name: (
+        dsv41_dspark.DSparkDeepseekV4ForCausalLM._remap_dspark_name(draft, name)
+    )
+    monkeypatch.setattr(
+        dsv41_dspark, "fused_moe_make_expert_params_mapping", lambda *a, **kw: []
+    )
+    weights = [torch.arange(20).view(4, 5).float() + i * 20 for i in range(3)]
+    loaded = dsv41_dspark.DSparkDeepseekV4ForCausalLM.load_weights(
+        draft, ((f"mtp.{i}.attn.wkv.weight", weights[i]) for i in (2, 0, 1))
+    )
+
+    assert loaded == set(params)
+    torch.testing.assert_close(projections[3].weight, torch.cat(weights))
+    for i, projection in enumerate(projections[:3]):
+        torch.testing.assert_close(projection.weight[2:], weights[i])
+        assert torch.all(projection.weight[:2] == -1)
+
+
+@pytest.mark.parametrize("dspark_module", [dsv4_dspark, dsv41_dspark])
+def test_dsv4_context_kv_uses_one_stacked_wkv_projection(monkeypatch, dspark_module):
     calls = []
     stacked_output = torch.arange(24, dtype=torch.float32).view(2, 12)
 
@@ -373,14 +439,14 @@ def test_dsv4_context_kv_uses_one_stacked_wkv_projection(monkeypatch):
     )
     slot_mappings = [torch.tensor([0, 1]), None, torch.tensor([4, 5])]
     monkeypatch.setattr(
-        dsv4_dspark,
+        dspark_module,
         "_insert_context_kv",
         lambda attn, kv, positions, slots: calls.append(
             (attn, kv.clone(), positions, slots)
         ),
     )
 
-    dsv4_dspark.DSparkDeepseekV4Model.precompute_and_store_context_kv(
+    dspark_module.DSparkDeepseekV4Model.precompute_and_store_context_kv(
         model,
         torch.zeros(2, 5),
         torch.tensor([7, 8]),

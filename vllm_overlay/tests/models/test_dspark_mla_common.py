@@ -460,6 +460,34 @@ def test_k3_dspark_refreshes_cache_pointers_in_place(monkeypatch):
 
 
 @pytest.mark.cpu_test
+def test_k3_dspark_weight_reload_refills_context_kv_tensors_in_place(monkeypatch):
+    """A weight reload ends in every module's post-load hook, which rebuilds
+    the stacked context-KV norm weights and cache scales. Captured graphs read
+    them by address: the reload must refill them, not replace them."""
+    recorder = _Recorder()
+    layers = [_Layer(i, recorder, "fp8") for i in range(2)]
+    model = _model(layers, recorder, monkeypatch, K3DSparkModel)
+    drafter = object.__new__(K3DSparkForCausalLM)
+    nn.Module.__init__(drafter)
+    drafter.model = model
+    norms, scales = model._context_kv_norm_weights, model._context_kv_scales
+    addresses = (norms.data_ptr(), scales.data_ptr())
+
+    # The loader writes new values into the same weights, then runs the hooks.
+    for i, layer in enumerate(layers):
+        layer.self_attn.kv_a_layernorm.weight.fill_(10.0 + i)
+        layer.self_attn._k_scale.fill_(2.0 + i)
+    drafter.process_weights_after_loading()
+
+    assert model._context_kv_norm_weights is norms
+    assert model._context_kv_scales is scales
+    assert (norms.data_ptr(), scales.data_ptr()) == addresses
+    expected_norms = torch.tensor([[10.0] * KV_LORA_RANK, [11.0] * KV_LORA_RANK])
+    assert torch.equal(norms, expected_norms)
+    assert torch.equal(scales, torch.tensor([2.0, 3.0]))
+
+
+@pytest.mark.cpu_test
 @pytest.mark.parametrize(
     ("rope_parameters", "rope_type", "scale_multiplier"),
     [

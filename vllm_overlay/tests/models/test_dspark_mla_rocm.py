@@ -33,6 +33,7 @@ from vllm.distributed import (
     destroy_model_parallel,
     init_distributed_environment,
     initialize_model_parallel,
+    parallel_state,
 )
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.mla_attention import (
@@ -197,8 +198,8 @@ def mqa_calls(monkeypatch) -> list[torch.Tensor]:
     return calls
 
 
-def _draft_vllm_config(tmp_path, cache_dtype="auto", **overrides) -> VllmConfig:
-    """The draft's VllmConfig, as the proposer derives it from the target's."""
+def _speculative_config(tmp_path, cache_dtype="auto", **overrides):
+    """A DSpark speculative config of a small K3 draft on a Llama target."""
     target, draft = tmp_path / "target", tmp_path / "draft"
     target.mkdir()
     (target / "config.json").write_text(
@@ -239,7 +240,7 @@ def _draft_vllm_config(tmp_path, cache_dtype="auto", **overrides) -> VllmConfig:
     model_config = ModelConfig(
         model=str(target), skip_tokenizer_init=True, dtype="bfloat16"
     )
-    speculative_config = SpeculativeConfig(
+    return SpeculativeConfig(
         method="dspark",
         model=str(draft),
         num_speculative_tokens=3,
@@ -248,9 +249,14 @@ def _draft_vllm_config(tmp_path, cache_dtype="auto", **overrides) -> VllmConfig:
         attention_backend="TRITON_MLA",
         kv_cache_dtype=cache_dtype,
     )
+
+
+def _draft_vllm_config(tmp_path, cache_dtype="auto", **overrides) -> VllmConfig:
+    """The draft's VllmConfig, as the proposer derives it from the target's."""
+    speculative_config = _speculative_config(tmp_path, cache_dtype, **overrides)
     return speculative_config.apply_draft_overrides(
         VllmConfig(
-            model_config=model_config,
+            model_config=speculative_config.target_model_config,
             speculative_config=speculative_config,
             device_config=DeviceConfig("cpu"),
         )
@@ -261,8 +267,11 @@ def _draft_vllm_config(tmp_path, cache_dtype="auto", **overrides) -> VllmConfig:
 def build_draft(tmp_path, rocm_platform, tp1_cpu):
     """Build, initialise and post-process the ROCm drafter; bind KV caches."""
 
-    def build(cache_dtype="auto", post_process=True, **overrides):
+    def build(cache_dtype="auto", post_process=True, draft_dcp=1, **overrides):
         vllm_config = _draft_vllm_config(tmp_path, cache_dtype, **overrides)
+        # The draft's DCP (draft_decode_context_parallel_size), as the layers
+        # read it when they are built.
+        vllm_config.parallel_config.decode_context_parallel_size = draft_dcp
         with (
             set_current_vllm_config(vllm_config),
             set_default_torch_dtype(torch.bfloat16),
@@ -639,6 +648,27 @@ def test_k3_dspark_rocm_fused_rope_cache_with_aiter_only(
         assert layer.self_attn._fused_qk_prep is False
 
 
+@pytest.mark.parametrize(("draft_dcp", "fused"), [(1, True), (2, False)])
+def test_k3_dspark_rocm_fused_rope_cache_under_a_dcp_target(
+    draft_dcp, fused, build_draft, monkeypatch
+):
+    """Under a DCP=2 target, a DCP=1 draft keeps a replicated cache: its
+    attention sees no DCP, so each rank's fused RoPE + cache write fills its
+    whole copy. A DCP=2 draft's cache is sharded: the fused path stays off."""
+    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", lambda: True)
+    # The target's DCP group of two ranks, as an attention impl asks for it
+    # (this process is the first rank).
+    monkeypatch.setattr(
+        parallel_state,
+        "get_dcp_world_size_and_rank",
+        lambda enabled=True: (2, 0) if enabled else (1, 0),
+    )
+    draft = build_draft(post_process=False, draft_dcp=draft_dcp)
+    for layer in draft.model.layers:
+        assert layer.self_attn.mla_attn.impl.dcp_world_size == draft_dcp
+        assert layer.self_attn._fused_rope_cache is fused
+
+
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
 def test_k3_dspark_rocm_aiter_rope_and_cache_write_are_one_launch(
     cache_dtype, build_draft, kernels, mqa_calls, aiter_on
@@ -826,6 +856,32 @@ def test_k3_dspark_rocm_grouped_context_kv_insert(
             assert write["scale"] is owner._k_scale
 
 
+def test_k3_dspark_rocm_weight_reload_keeps_context_kv_addresses(build_draft):
+    """A weight reload ends in every module's post-load hook
+    (finalize_model_weights), which rebuilds the stacked context-KV norm
+    weights and fp8 scales of the ROCm drafter's inner MLAAttentions. Captured
+    graphs read them by address: they are refilled, not replaced."""
+    draft = build_draft(cache_dtype="fp8")
+    model = draft.model
+    norms, scales = model._context_kv_norm_weights, model._context_kv_scales
+    addresses = (norms.data_ptr(), scales.data_ptr())
+
+    # The reload writes new values into the same weights, then post-processes.
+    for i, layer in enumerate(model.layers):
+        layer.self_attn.kv_a_layernorm.weight.data.fill_(1.0 + i)
+    with set_current_vllm_config(draft.vllm_config):
+        process_weights_after_loading(
+            draft, draft.vllm_config.model_config, torch.device("cpu")
+        )
+
+    assert model._context_kv_norm_weights is norms
+    assert model._context_kv_scales is scales
+    assert (norms.data_ptr(), scales.data_ptr()) == addresses
+    assert torch.equal(norms[:, 0], torch.tensor([1.0, 2.0], dtype=norms.dtype))
+    owners = [layer.self_attn.mla_attn for layer in model.layers]
+    assert torch.equal(scales, torch.stack([o._k_scale.reshape(()) for o in owners]))
+
+
 # vllm.models.kimi_k3 picks the platform's classes when it is imported, so it
 # is imported again, in a process of its own, with is_rocm() true.
 @create_new_process_for_each_test("fork")
@@ -843,3 +899,37 @@ def test_k3_dspark_registry_resolves_rocm_drafter_on_rocm(monkeypatch):
     # this process's re-import).
     resolved = ModelRegistry.models["K3DSparkModel"].load_model_cls()
     assert resolved is K3DSparkForCausalLM
+
+
+@create_new_process_for_each_test("fork")
+def test_k3_dspark_draft_keeps_its_config_on_rocm(monkeypatch, tmp_path):
+    """DSparkSpeculatorConfig takes a draft whose class declares no speculator
+    config for a DeepSeek-V4 draft and rewrites its model_type and
+    architectures. On ROCm the registry resolves the ROCm drafter: it must
+    declare the config too, so the K3 draft keeps its own."""
+    from vllm.model_executor.models import registry
+
+    monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
+    monkeypatch.setitem(sys.modules, "aiter", None)  # as without aiter
+    for name in [n for n in sys.modules if n.startswith("vllm.models.kimi_k3")]:
+        monkeypatch.delitem(sys.modules, name)
+    # The registry inspects a class in a fresh process, or reads what it found
+    # there from its on-disk cache: neither is on ROCm here. Inspect in this
+    # process, and keep what it finds out of the cache.
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+    lazy = registry._LazyRegisteredModel
+    monkeypatch.setattr(lazy, "_load_modelinfo_from_cache", lambda *_: None)
+    monkeypatch.setattr(lazy, "_save_modelinfo_to_cache", lambda *_: None)
+    registry._try_load_model_cls.cache_clear()
+    registry._try_inspect_model_cls.cache_clear()
+    from vllm.models.kimi_k3.amd.dspark_mla import K3DSparkForCausalLM
+    from vllm.v1.worker.gpu.spec_decode.dspark.config import DSparkSpeculatorConfig
+
+    assert ModelRegistry._try_load_model_cls("K3DSparkModel") is K3DSparkForCausalLM
+    draft = _speculative_config(tmp_path).draft_model_config
+
+    assert draft.speculator_config_class == (
+        f"{DSparkSpeculatorConfig.__module__}.{DSparkSpeculatorConfig.__qualname__}"
+    )
+    assert draft.hf_config.model_type == "k3_dspark"
+    assert draft.architectures == ["K3DSparkModel"]

@@ -18,6 +18,7 @@ captured once with the host side planned for max_model_len is replayed over
 other lengths and pages. The split bound is host arithmetic and runs anywhere.
 """
 
+import os
 import zlib
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -343,3 +344,114 @@ def test_block_decode_split_bound_fits_the_workspace(num_reqs: int, max_seq_len:
     assert 1 <= splits <= max_kv_splits
     # 40 rows take at most two row tiles; a split reads at least 128 tokens.
     assert splits >= min(num_sms // 2, max_seq_len // 128)
+
+
+# Runs compiled on a GPU, or on CPU tensors in Triton's interpreter
+# (TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= pytest ...): fp16, since the
+# interpreter multiplies bf16 as raw bits in tl.dot.
+needs_triton = pytest.mark.skipif(
+    not (current_platform.is_cuda_alike() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="Triton kernels need a GPU or Triton's interpreter",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("workspace", ["alloc", "locked workspace"])
+def test_forward_mqa_windowed_non_causal_block_honours_the_window(workspace):
+    """A windowed DSpark draft layer (decode_sliding_window, vLLM 0.34): every
+    row of a request's non-causal block attends the last `window` keys only.
+    The pages wholly below the window point at a poisoned null page, as the
+    sliding-window KV manager frees them. With the workspace reserved for the
+    window and locked (as after capture), decoding a graph-style batch planned
+    for max_model_len must not need more scratch than was reserved."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backends.mla import triton_mla
+    from vllm.v1.worker.workspace import (
+        current_workspace_manager,
+        init_workspace_manager,
+        reset_workspace_manager,
+    )
+
+    device = "cuda" if current_platform.is_cuda_alike() else "cpu"
+    rank, rope, heads, query_len, page, window = 64, 16, 8, 3, 16, 24
+    context_lens = (5, 40, 0, 90)  # block included; one padding request
+    num_reqs, num_sms = len(context_lens), 4
+    gen = torch.Generator().manual_seed(7)
+    pages_per_req = -(-max(context_lens) // page)
+    num_pages = 1 + num_reqs * pages_per_req
+    cache = torch.randn(num_pages, page, rank + rope, generator=gen)
+    cache[0] = 50.0  # the null page: reading it swamps the softmax
+    block_table = 1 + torch.arange(num_reqs * pages_per_req).view(num_reqs, -1)
+    for r, seq_len in enumerate(context_lens):
+        block_table[r, : max(seq_len - window, 0) // page] = 0
+    q = 3 * torch.randn(num_reqs * query_len, heads, rank + rope, generator=gen)
+    q, cache = q.half().to(device), cache.half().to(device)
+    block_table = block_table.to(torch.int32).to(device)
+    seq_lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    platform = type(current_platform)
+    with (
+        set_current_vllm_config(config),
+        patch.object(platform, "num_compute_units", lambda *args: num_sms),
+    ):
+        impl = triton_mla.TritonMLAImpl(
+            num_heads=heads,
+            head_size=rank + rope,
+            scale=(rank + rope) ** -0.5,
+            num_kv_heads=1,
+            alibi_slopes=None,
+            sliding_window=window,
+            kv_cache_dtype="auto",
+            logits_soft_cap=None,
+            attn_type="decoder",
+            kv_sharing_target_layer_name=None,
+            q_lora_rank=None,
+            kv_lora_rank=rank,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=rope,
+            qk_head_dim=32 + rope,
+            v_head_dim=32,
+            kv_b_proj=None,
+        )
+    # As under a FULL graph captured for max_model_len.
+    metadata = SimpleNamespace(
+        max_seq_len=MAX_MODEL_LEN,
+        causal=False,
+        decode=SimpleNamespace(block_table=block_table, seq_lens=seq_lens),
+    )
+    layer = SimpleNamespace(_k_scale=torch.ones(1, device=device))
+    try:
+        if workspace == "locked workspace":
+            init_workspace_manager(torch.device(device))
+            with patch.object(
+                triton_mla.current_platform, "num_compute_units", lambda *args: num_sms
+            ):
+                triton_mla._reserve_attn_logits_workspace(
+                    SimpleNamespace(
+                        model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN)
+                    ),
+                    num_reqs * query_len,
+                    heads,
+                    rank,
+                    window,
+                )
+            current_workspace_manager().lock()
+        o, lse = impl.forward_mqa(
+            (q[..., :rank], q[..., rank:]), cache, metadata, layer
+        )
+    finally:
+        reset_workspace_manager()
+
+    for r, seq_len in enumerate(context_lens):
+        if seq_len == 0:
+            continue
+        tokens = torch.arange(max(seq_len - window, 0), seq_len, device=device)
+        kv = cache[block_table[r, tokens // page].long(), tokens % page].float()
+        rows = slice(r * query_len, (r + 1) * query_len)
+        scores = torch.einsum("thd,nd->thn", q[rows].float(), kv) * impl.scale
+        want_o = torch.einsum("thn,nd->thd", scores.softmax(-1), kv[:, :rank])
+        torch.testing.assert_close(o[rows].float(), want_o, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            lse[rows].float(), scores.logsumexp(-1), rtol=2e-2, atol=2e-2
+        )

@@ -15,19 +15,24 @@ and ``seq_lens`` the backend actually submits and need no GPU or Triton runtime.
 """
 
 from types import SimpleNamespace
-from unittest.mock import patch
+from unittest.mock import MagicMock, patch
 
 import pytest
 import torch
 
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla.triton_mla import (
     TritonMLAImpl,
     TritonMLAMetadataBuilder,
+    _compute_num_kv_splits,
 )
+from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
 from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
 
 NUM_HEADS = 16
@@ -76,6 +81,7 @@ def _make_impl(dcp_world_size: int = 1) -> TritonMLAImpl:
         )
     # No DCP group is set up here: the rank count is what forward_mqa reads.
     impl.dcp_world_size = dcp_world_size
+    impl.decode_sliding_window = None
     return impl
 
 
@@ -112,6 +118,7 @@ def _run_forward_mqa(
     causal: bool,
     q_rows=None,
     dcp_world_size: int = 1,
+    sliding_window: int | None = None,
 ):
     """Drive forward_mqa with the decode kernels spied out.
 
@@ -129,6 +136,7 @@ def _run_forward_mqa(
             captured["kernel"] = kernel
             captured["block_table"] = block_table.detach().clone()
             captured["seq_lens"] = b_seq_len.detach().clone()
+            captured["sliding_window"] = kwargs.get("sliding_window")
 
         return record
 
@@ -149,7 +157,9 @@ def _run_forward_mqa(
         patch(f"{backend}._compute_num_kv_splits", lambda *args: 4),
         patch(f"{backend}.mla_block_decode_num_kv_splits", lambda *args: 4),
     ):
-        _make_impl(dcp_world_size).forward_mqa(q, kv_cache, metadata, layer)
+        impl = _make_impl(dcp_world_size)
+        impl.decode_sliding_window = sliding_window
+        impl.forward_mqa(q, kv_cache, metadata, layer)
 
     assert captured, "forward_mqa did not reach a decode kernel"
     return captured
@@ -273,3 +283,68 @@ def test_multi_token_decode_is_rejected_under_dcp():
     for causal in (True, False):
         with pytest.raises(AssertionError, match="not supported with DCP"):
             _run_forward_mqa(_seq_lens(4), query_len=4, causal=causal, dcp_world_size=2)
+
+
+@pytest.mark.parametrize("query_len", [2, 4, 8])
+def test_windowed_non_causal_block_stays_on_the_windowed_flat_kernel(query_len):
+    """A windowed draft layer (vLLM's windowed DSpark drafters) must attend only
+    its window: decode_attention_fwd applies it per row, the block kernel would
+    attend the whole context with splits planned for max_model_len, past the
+    workspace reserved from the window. Every row sees the same window."""
+    seq_lens = _seq_lens(query_len)
+    captured = _run_forward_mqa(seq_lens, query_len, causal=False, sliding_window=128)
+
+    assert captured["kernel"] == "flat"
+    assert captured["sliding_window"] == 128
+    assert captured["seq_lens"].tolist() == [
+        s for s in seq_lens for _ in range(query_len)
+    ]
+    assert captured["block_table"].shape[0] == len(seq_lens) * query_len
+
+
+def test_workspace_reservation_is_sized_by_the_sliding_window():
+    """The builder reserves after memory profiling, so reserving max_model_len's
+    splits for a windowed layer would grow the workspace past what the KV cache
+    was sized around. Both reservations must match forward_mqa's split count."""
+    sm_count, window, max_model_len = 132, 2048, 1 << 20
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+    )
+    spec = SlidingWindowMLASpec(
+        block_size=PAGE_SIZE,
+        num_kv_heads=1,
+        head_size=HEAD_SIZE,
+        dtype=torch.bfloat16,
+        sliding_window=window,
+    )
+
+    def builder_init(self, *args):
+        self.dcp_world_size = 1
+        self.reorder_batch_threshold = 1
+        self.num_heads = NUM_HEADS
+        self.mla_dims = SimpleNamespace(kv_lora_rank=KV_LORA_RANK)
+
+    impl = _make_impl()
+    impl.num_heads = NUM_HEADS
+    impl.decode_sliding_window = window
+    impl._vllm_config = vllm_config
+
+    workspace = MagicMock()
+    triton_mla = "vllm.v1.attention.backends.mla.triton_mla"
+    with (
+        patch(f"{triton_mla}.is_workspace_manager_initialized", return_value=True),
+        patch(f"{triton_mla}.current_workspace_manager", return_value=workspace),
+        patch(f"{triton_mla}.max_decode_query_len", return_value=1),
+        patch(
+            f"{triton_mla}.current_platform.num_compute_units", return_value=sm_count
+        ),
+        patch.object(MLACommonMetadataBuilder, "__init__", builder_init),
+    ):
+        TritonMLAMetadataBuilder(spec, ["layer0"], vllm_config, "cpu")
+        impl.reserve_workspace()
+
+    expected = _compute_num_kv_splits(window, sm_count)
+    assert expected < _compute_num_kv_splits(max_model_len, sm_count)
+    reserved = [call.args[0][0][2] for call in workspace.get_simultaneous.mock_calls]
+    assert reserved == [expected, expected]

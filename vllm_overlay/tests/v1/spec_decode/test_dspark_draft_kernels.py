@@ -32,6 +32,7 @@ from vllm.config.kernel import IrOpPriorityConfig
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.registry import ModelRegistry
+from vllm.platforms import current_platform
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.dspark import utils as dspark_utils
 from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
@@ -49,6 +50,24 @@ DSPARK_DRAFTERS = sorted(
     if "DSpark" in arch or "XPress" in arch
 )
 UNCOMPILED_DRAFTERS = {"K3DSparkModel"}
+# Every registered drafter is classified: a new one fails here until it is.
+COMPILED_DRAFTERS = {
+    "DFlashQwen3XPressModel",
+    "DSparkMiniMaxDraftModel",
+    "Gemma4DSparkModel",
+    "MuseSparkDSparkModel",
+    "Qwen3DSparkModel",
+    "Qwen3OmniDSparkModel",
+    "Qwen3XPressModel",
+}
+# Uncompiled, but not (yet) opted in: they keep the target's config.
+NOT_OPTED_IN_DRAFTERS = {
+    "DSparkDraftModel",
+    "DSparkV41DraftModel",
+    "MistralLarge4DSparkModel",
+}
+# Registered drafters whose package imports only on CUDA or ROCm.
+CUDA_ALIKE_ONLY_DRAFTERS = {"MistralLarge4DSparkModel"}
 
 
 def _config(**kwargs) -> VllmConfig:
@@ -60,13 +79,45 @@ def _enabled(op, vllm_config) -> bool:
         return op.enabled()
 
 
-@pytest.mark.parametrize("arch", DSPARK_DRAFTERS)
-def test_only_uncompiled_drafters_take_the_draft_kernels(arch: str):
+def _drafter_cls(arch: str) -> type[nn.Module]:
+    if arch in CUDA_ALIKE_ONLY_DRAFTERS and not current_platform.is_cuda_alike():
+        pytest.skip(f"{arch} imports only on CUDA or ROCm")
     model_cls = ModelRegistry._try_load_model_cls(arch)
     assert model_cls is not None, arch
+    return model_cls
+
+
+def test_every_drafter_is_classified():
+    classified = UNCOMPILED_DRAFTERS | COMPILED_DRAFTERS | NOT_OPTED_IN_DRAFTERS
+    assert set(DSPARK_DRAFTERS) == classified
+
+
+@pytest.mark.parametrize("arch", DSPARK_DRAFTERS)
+def test_only_uncompiled_drafters_take_the_draft_kernels(arch: str):
+    model_cls = _drafter_cls(arch)
     assert draft_runs_uncompiled(model_cls) == (arch in UNCOMPILED_DRAFTERS)
-    if arch in UNCOMPILED_DRAFTERS:
-        assert not issubclass(model_cls.model_cls, TorchCompileWithNoGuardsWrapper)
+    inner = getattr(model_cls, "model_cls", None)
+    if arch in COMPILED_DRAFTERS:
+        assert issubclass(inner, TorchCompileWithNoGuardsWrapper)
+    elif isinstance(inner, type):
+        assert not issubclass(inner, TorchCompileWithNoGuardsWrapper)
+
+
+def test_a_drafter_takes_the_draft_kernels_only_by_saying_so():
+    """The opt-in is the class attribute, not a guess from the class's shape:
+    an uncompiled inner model alone does not opt a drafter in."""
+
+    class InnerModel(nn.Module):
+        pass
+
+    class SilentDrafter(nn.Module):
+        model_cls = InnerModel
+
+    class OptedInDrafter(nn.Module):
+        dspark_draft_runs_uncompiled = True
+
+    assert not draft_runs_uncompiled(SilentDrafter)
+    assert draft_runs_uncompiled(OptedInDrafter)
 
 
 def _load_draft(target: VllmConfig, draft_cls: type) -> SimpleNamespace:
@@ -89,6 +140,7 @@ def _load_draft(target: VllmConfig, draft_cls: type) -> SimpleNamespace:
             attention_backend=None,
             kv_cache_dtype=None,
             draft_load_config=None,
+            draft_lm_head_quantization=None,
         ),
         parallel_config=ParallelConfig(),
         attention_config=SimpleNamespace(backend=None),
@@ -132,7 +184,7 @@ def _load_draft(target: VllmConfig, draft_cls: type) -> SimpleNamespace:
 
 @pytest.mark.parametrize("user_ops", [[], ["-silu_and_mul"]])
 def test_loader_builds_an_uncompiled_drafter_on_custom_ops(user_ops):
-    k3_drafter = ModelRegistry._try_load_model_cls("K3DSparkModel")
+    k3_drafter = _drafter_cls("K3DSparkModel")
     target = _config(compilation_config=CompilationConfig(custom_ops=user_ops))
     assert target.compilation_config.mode == CompilationMode.VLLM_COMPILE
     assert not _enabled(RMSNorm, target)
@@ -157,7 +209,7 @@ def test_loader_leaves_a_compiled_drafter_on_the_target_config(arch: str):
     target's own object, untouched."""
     target = _config()
     before = target.compilation_config.custom_ops.copy()
-    draft = _load_draft(target, ModelRegistry._try_load_model_cls(arch))
+    draft = _load_draft(target, _drafter_cls(arch))
     assert draft.compilation_config is target.compilation_config
     assert target.compilation_config.custom_ops == before
     assert not _enabled(RMSNorm, draft)

@@ -49,15 +49,28 @@ RejectionSample = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.fixture
 def rejection_sample() -> RejectionSample:
-    """Runs rejection_sample on the GPU: CPU inputs in, CPU outputs out."""
+    """Runs rejection_sample on the GPU: CPU inputs in, CPU outputs out. The
+    draft logits tensor of the inputs is handed over in a DraftLogitsCache."""
     from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils
+    from vllm.v1.worker.gpu.spec_decode.draft_logits import DraftLogitsCache
 
     def run(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {
             name: value.cuda() if isinstance(value, torch.Tensor) else value
             for name, value in inputs.items()
         }
-        sampled, num_sampled = rejection_sampler_utils.rejection_sample(**inputs)
+        draft_logits = inputs.pop("draft_logits")
+        row_mapping = inputs.pop("draft_logits_row_mapping", None)
+        cache = None
+        if draft_logits is not None:
+            cache = DraftLogitsCache(
+                1, 1, 1, dtype=draft_logits.dtype, fill=0.0, device=draft_logits.device
+            )
+            cache.values = draft_logits
+            cache.row_mapping = row_mapping
+        sampled, num_sampled = rejection_sampler_utils.rejection_sample(
+            draft_logits_cache=cache, **inputs
+        )
         return sampled.cpu(), num_sampled.cpu()
 
     return run
@@ -172,9 +185,10 @@ def test_nonfinite_draft_is_verified_like_a_placeholder(
     assert (num_sampled[first_bad > 0] > 1).any()
 
 
+@pytest.mark.parametrize("skip_masked_vocab_blocks", [False, True])
 @pytest.mark.parametrize("method", METHODS)
 def test_nan_in_a_vocab_block_without_finite_logits(
-    rejection_sample: RejectionSample, method: str
+    rejection_sample: RejectionSample, method: str, skip_masked_vocab_blocks: bool
 ):
     """NaN logits in a vocab block whose other logits are -inf, next to a block
     of finite logits: a NaN-suppressing max reduction must not hide them."""
@@ -194,11 +208,14 @@ def test_nan_in_a_vocab_block_without_finite_logits(
     temperature = torch.ones(num_reqs)
 
     use_block = METHODS[method]
+    # The resample kernel skips the first vocab block (no target token in it).
+    skip = {"skip_masked_vocab_blocks": skip_masked_vocab_blocks}
     sampled, num_sampled = rejection_sample(
-        _inputs(target_logits, corrupted, draft_tokens, temperature, use_block)
+        _inputs(target_logits, corrupted, draft_tokens, temperature, use_block) | skip
     )
     expected, expected_num_sampled = rejection_sample(
         _inputs(target_logits, draft_logits, placeholders, temperature, use_block)
+        | skip
     )
 
     assert num_sampled.tolist() == [2] * num_reqs
@@ -320,4 +337,37 @@ def test_masked_draft_logits_are_still_verified(
     )
 
     assert (num_sampled > 1).any()
+    assert _emitted(sampled, num_sampled) == _emitted(expected, expected_num_sampled)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nonfinite_draft_in_a_batch_sharded_cache(
+    rejection_sample: RejectionSample, method: str
+):
+    """A batch-sharded cache (DraftLogitsCache.row_mapping) holds a request's
+    draft logits at another row: a non-finite row found there is verified like
+    a placeholder, as in a replicated cache."""
+    k, num_reqs = 2, 24
+    generator = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(num_reqs, k + 1, VOCAB_SIZE, generator=generator)
+    draft_logits = torch.randn(num_reqs, k, VOCAB_SIZE, generator=generator)
+    temperature = torch.ones(num_reqs)
+    draft_tokens = _draw(draft_logits, generator)
+    corrupted = draft_logits.clone()
+    values = torch.tensor([NAN, INF, -INF])
+    corrupted[::2, 1] = values[torch.arange(num_reqs // 2) % 3, None]
+    placeholders = draft_tokens.clone()
+    placeholders[::2, 1] = -1
+    use_block = METHODS[method]
+    rows = torch.randperm(num_reqs, generator=generator)
+    sharded = _inputs(target_logits, corrupted, draft_tokens, temperature, use_block)
+    sharded["draft_logits_row_mapping"] = rows.to(torch.int32)
+    sharded["draft_logits"] = torch.empty_like(corrupted)
+    sharded["draft_logits"][rows] = corrupted
+
+    sampled, num_sampled = rejection_sample(sharded)
+    expected, expected_num_sampled = rejection_sample(
+        _inputs(target_logits, draft_logits, placeholders, temperature, use_block)
+    )
+
     assert _emitted(sampled, num_sampled) == _emitted(expected, expected_num_sampled)

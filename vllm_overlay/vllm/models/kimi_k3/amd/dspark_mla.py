@@ -113,7 +113,8 @@ class K3DSparkMLAAttention(KimiK3MultiHeadLatentAttentionWrapper):
             and isinstance(self.rotary_emb, K3DSparkRotaryEmbedding)
             and attn.kv_cache_dtype in self.FUSED_ROPE_CACHE_DTYPES
             # The q-LoRA layout without an output gate, as K3DSparkConfig
-            # builds it, on one DCP/PCP rank (they rewrite the cache inputs).
+            # builds it, with a cache no DCP/PCP shards (they rewrite the cache
+            # inputs); a DCP=1 draft under a DCP target replicates its cache.
             and self.q_lora_rank is not None
             and self.g_proj is None
             and not self._qkv_gate_fused

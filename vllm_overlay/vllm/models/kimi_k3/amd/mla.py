@@ -7,15 +7,21 @@ from typing import cast
 import torch
 
 from vllm._aiter_ops import rocm_aiter_ops
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.model_executor.layers.attention.mla_attention import split_kv_b_proj
 from vllm.model_executor.layers.fusion.quant_activation import (
     QuantizedActivation,
     get_input_quant_key,
 )
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import KimiK3MergedQKVGateLinear
+from vllm.model_executor.layers.linear import (
+    KimiK3MergedQKVGateLinear,
+    UnquantizedLinearMethod,
+)
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
+from vllm.model_executor.utils import refill_derived
 from vllm.platforms import current_platform
 
 _OPT_KV_LORA_RANK = 512
@@ -42,10 +48,35 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             self._fused_q_heads = AiterMLAHelper.get_actual_mla_num_heads(
                 self.num_heads
             )
+        # Positions fed to the fused kernel's identity RoPE; see _fused_decode.
+        # Allocated once here so every captured CUDA graph shares one zeroed
+        # buffer instead of capturing a memset per layer.
+        zero_positions = None
+        if self._fused_qk_prep:
+            vllm_config = get_current_vllm_config()
+            max_tokens = max(
+                vllm_config.scheduler_config.max_num_batched_tokens,
+                vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+            )
+            zero_positions = torch.zeros(max_tokens, dtype=torch.int64)
+        self.register_buffer("_zero_positions", zero_positions, persistent=False)
+        # The fold reads q_b_proj.weight as plain bf16/fp16 rows, so a quantized
+        # q_b_proj keeps the unfused path.
+        self._fold_qb_uk = (
+            self._fused_qk_prep
+            and self.q_b_proj is not None
+            and isinstance(self.q_b_proj.quant_method, UnquantizedLinearMethod)
+            and self.rotary_emb is None
+            and not self.dcp_q_replicate
+            and self.indexer is None
+        )
+        self._w_fold: torch.Tensor | None = None
 
     def _fused_qk_prep_supported(self) -> bool:
-        # _fused_decode applies an identity RoPE (written for the NoPE target);
-        # a layer with a rotary embedding (the DSpark draft) must not take it.
+        # _fused_decode takes no positions: it rotates q_pe and k_pe at the
+        # zero positions of _zero_positions, an identity RoPE written for the
+        # NoPE target. A layer with a rotary embedding (the DSpark draft) would
+        # lose its rotation there, so it keeps the unfused path.
         if self.rotary_emb is not None:
             return False
         attn = self.mla_attn
@@ -105,12 +136,69 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
 
         return q_layernorm(q_c), kv_layernorm(kv_c)
 
+    @staticmethod
+    def _compute_w_fold(
+        w_qb: torch.Tensor,
+        w_uk: torch.Tensor,
+        num_heads: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+    ) -> torch.Tensor:
+        """W_fold = [W_UK @ W_qb_nope ; W_qb_pe]: one GEMM gives [ql_nope | q_pe].
+
+        ``w_qb`` is the q_b_proj weight [N * (P + R), Lq], ``w_uk`` is [L, N, P].
+        Rows hold all heads' nope rows, then all pe rows, so the two output
+        halves of ``x @ W_fold.T`` are contiguous: [B, N * L] and [B, N * R]."""
+        N, P, R = num_heads, qk_nope_head_dim, qk_rope_head_dim
+        L = w_uk.shape[0]
+        w = w_qb.view(N, P + R, -1).float()
+        nope = torch.einsum("lnp,npk->nlk", w_uk.float(), w[:, :P])  # [N, L, Lq]
+        return (
+            torch.cat([nope.reshape(N * L, -1), w[:, P:].reshape(N * R, -1)])
+            .to(w_qb.dtype)
+            .contiguous()
+        )
+
+    @staticmethod
+    def _split_fold_output(
+        y: torch.Tensor,
+        num_heads: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, N, L = y.shape[0], num_heads, kv_lora_rank
+        return y[:, : N * L].view(B, N, L), y[:, N * L :].view(B, N, qk_rope_head_dim)
+
+    @torch.no_grad()
+    def _build_w_fold(self) -> None:
+        assert self.q_b_proj is not None
+        w_qb = self.q_b_proj.weight  # [N * (P + R), q_lora_rank]
+        W_UK, _ = split_kv_b_proj(
+            self.mla_attn.kv_b_proj,
+            w_qb.dtype,
+            self.kv_lora_rank,
+            self.num_heads,
+            self.qk_nope_head_dim,
+            self.v_head_dim,
+        )  # [L, N, P]
+        # refilled in place: a reload reruns this, and captured graphs read it
+        refill_derived(
+            self,
+            "_w_fold",
+            self._compute_w_fold(
+                w_qb, W_UK, self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+            ),
+        )
+
+    def process_weights_after_loading(self) -> None:
+        if self._fold_qb_uk:
+            self._build_w_fold()
+
     def _fused_decode(
         self,
         q: torch.Tensor,
         kv_c_normed: torch.Tensor,
         k_pe: torch.Tensor,
-        positions: torch.Tensor,
         output_shape: tuple[int, int],
         attn_metadata,
         layer,
@@ -128,38 +216,45 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         from aiter.ops.cache import fused_qk_rope_concat_and_cache_mla
 
         attn = self.mla_attn
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        # (B, N, P) -> (N, B, P)
-        q_nope_t = q_nope.transpose(0, 1)
+        if q.dim() == 2:
+            from aiter.ops.triton.gemm.basic.gemm_a16w16 import gemm_a16w16
 
-        # Mirror MLAAttention.forward_impl's W_UK dispatch, *including its
-        # precedence* -- fp4 is checked before fp8 there, and both flags can be
-        # set at once. ql_nope must come out bit-identical to what the unfused
-        # path feeds its concat+quant, because this only replaces what happens
-        # after the bmm. Both variants return bf16, which the kernel consumes.
-        if attn.is_aiter_triton_fp4_bmm_enabled:
-            from aiter.ops.triton.batched_gemm_a16wfp4 import batched_gemm_a16wfp4
-
-            ql_nope = batched_gemm_a16wfp4(
-                q_nope_t,
-                attn.W_K,
-                attn.W_K_scale,
-                transpose_bm=True,
-                prequant=True,
-                y_scale=layer._q_scale,
+            assert self._w_fold is not None
+            y = gemm_a16w16(q, self._w_fold)
+            ql_nope, q_pe = self._split_fold_output(
+                y, self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
             )
         else:
-            assert attn.W_UK_T is not None  # guaranteed by _fused_qk_prep_supported
-            B, N = q_nope.shape[0], q_nope.shape[1]
-            L = attn.W_UK_T.shape[-1]
-            ql_nope = q_nope_t.new_empty((B, N, L))
-            torch.bmm(q_nope_t, attn.W_UK_T, out=ql_nope.transpose(0, 1))
+            q_nope, q_pe = q.split(
+                [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
+            )
+            q_nope_t = q_nope.transpose(0, 1)
+
+            if attn.is_aiter_triton_fp4_bmm_enabled:
+                from aiter.ops.triton.batched_gemm_a16wfp4 import (
+                    batched_gemm_a16wfp4,
+                )
+
+                ql_nope = batched_gemm_a16wfp4(
+                    q_nope_t,
+                    attn.W_K,
+                    attn.W_K_scale,
+                    transpose_bm=True,
+                    prequant=True,
+                    y_scale=layer._q_scale,
+                )
+            else:
+                assert attn.W_UK_T is not None  # guaranteed by _fused_qk_prep_supported
+                B, N = q_nope.shape[0], q_nope.shape[1]
+                L = attn.W_UK_T.shape[-1]
+                ql_nope = q_nope_t.new_empty((B, N, L))
+                torch.bmm(q_nope_t, attn.W_UK_T, out=ql_nope.transpose(0, 1))
 
         if self._identity_rope is None:
             # cos = 1, sin = 0 makes the kernel's RoPE the identity, which is
-            # what a NoPE model needs. One row suffices because the `_opt`
-            # kernel clamps `pos` into [0, cos_cache.size(0)); a full-length
-            # cache would cost ~268 MB at K3's 1M max_position_embeddings.
+            # what a NoPE model needs. A full-length cache would cost ~268 MB at
+            # K3's 1M max_position_embeddings, so it holds one row and the
+            # kernel is given all-zero positions below.
             half = self.qk_rope_head_dim // 2
             opts = {"dtype": kv_c_normed.dtype, "device": kv_c_normed.device}
             self._identity_rope = (
@@ -182,18 +277,26 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             device=ql_nope.device,
         )
         q_out = q_out_padded[:, :num_heads]
+        # The kernel must not see the real positions: not every AITER variant
+        # clamps them into the one-row cos/sin cache. The head-grouped kernel
+        # (AITER v0.1.26) reads cos = sin = 0 past the cache at one head per
+        # block, zeroing q_pe and the cached k_pe, and faults at more heads per
+        # block. RoPE is the identity, so position 0 is exact for every token.
+        # The kernel takes its token count from slot_mapping.
+        slot_mapping = slot_mapping.flatten()
+        num_slots = slot_mapping.shape[0]
+        assert num_slots <= self._zero_positions.shape[0]
         fused_qk_rope_concat_and_cache_mla(
-            # the W_UK bmm hands back a transposed view; the kernel reads dense
-            ql_nope.contiguous(),
+            ql_nope,
             q_pe,
             kv_c_normed,
             k_pe.squeeze(1),
             kv_cache.view(kv_cache.shape[0], -1, head_size),
             q_out,
-            slot_mapping.flatten(),
+            slot_mapping,
             layer._k_scale,
             layer._q_scale,
-            positions,
+            self._zero_positions[:num_slots],
             cos_cache,
             sin_cache,
             is_neox=True,
@@ -203,7 +306,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         # forward_mqa is MLA-specific and not on AttentionImpl; MLAAttention
         # annotates its own call to it the same way.
         attn_out, _ = attn.impl.forward_mqa(q_out, kv_cache, attn_metadata, attn)  # type: ignore[attr-defined]
-        output = q.new_empty(output_shape)
+        output = ql_nope.new_empty(output_shape)
         attn._v_up_proj(attn_out, out=output)
         return output
 
@@ -269,33 +372,10 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         # Add head dim of 1 to k_pe.
         k_pe = k_pe.unsqueeze(1)
 
-        q = q_proj_layer(q_proj_input)[0]
-        heads = self.num_heads
-        if self.dcp_q_replicate:
-            heads *= q_proj_layer.group_size
-        q = q.view(-1, heads, self.qk_head_dim)
-
-        if self.rotary_emb is not None:
-            q[..., self.qk_nope_head_dim :], k_pe = self.rotary_emb(
-                positions, q[..., self.qk_nope_head_dim :], k_pe
-            )
-
-        if self.indexer and self.is_sparse and not self.skip_topk:
-            self.indexer(hidden_states, q_c, positions, self.indexer_rope_emb)
-
-        if llama_4_scaling is not None:
-            q *= llama_4_scaling
-
-        q_dcp_replicated = None
-        if self.dcp_q_replicate:
-            q_dcp_replicated, q = q, q_proj_layer._local_view(q)
-
         output_shape = (num_tokens, self.num_heads * self.v_head_dim)
 
-        # The fused decode path covers only the MQA slice, so it is taken for
-        # decode-only batches; anything else falls through to MLAAttention.
         attn_metadata = layer = kv_cache = slot_mapping = None
-        fuse = self._fused_qk_prep and q_dcp_replicated is None
+        fuse = self._fused_qk_prep and not self.dcp_q_replicate
         if fuse:
             attn_metadata, layer, kv_cache, slot_mapping = get_attention_context(
                 self.mla_attn.layer_name
@@ -307,12 +387,35 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 and attn_metadata.num_actual_tokens == attn_metadata.num_decode_tokens
             )
 
+        if fuse and self._fold_qb_uk and llama_4_scaling is None:
+            q = q_proj_input
+        else:
+            q = q_proj_layer(q_proj_input)[0]
+            heads = self.num_heads
+            if self.dcp_q_replicate:
+                heads *= q_proj_layer.group_size
+            q = q.view(-1, heads, self.qk_head_dim)
+
+            if self.rotary_emb is not None:
+                q[..., self.qk_nope_head_dim :], k_pe = self.rotary_emb(
+                    positions, q[..., self.qk_nope_head_dim :], k_pe
+                )
+
+            if self.indexer and self.is_sparse and not self.skip_topk:
+                self.indexer(hidden_states, q_c, positions, self.indexer_rope_emb)
+
+            if llama_4_scaling is not None:
+                q *= llama_4_scaling
+
+        q_dcp_replicated = None
+        if self.dcp_q_replicate:
+            q_dcp_replicated, q = q, q_proj_layer._local_view(q)
+
         if fuse:
             attn_out = self._fused_decode(
                 q,
                 kv_c_normed,
                 k_pe,
-                positions,
                 output_shape,
                 attn_metadata,
                 layer,

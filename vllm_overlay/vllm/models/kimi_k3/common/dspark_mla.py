@@ -48,8 +48,10 @@ from vllm.model_executor.models.utils import (
     get_draft_quant_config,
     maybe_prefix,
 )
+from vllm.model_executor.utils import refill_derived
 from vllm.models.common.ops.fused_allreduce_rms_norm import fused_allreduce_rms_norm
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+from vllm.v1.worker.gpu.spec_decode.dspark.config import DSparkSpeculatorConfig
 from vllm.v1.worker.workspace import current_workspace_manager
 
 _GROUPED_KV_CACHE_DTYPES = frozenset(
@@ -278,8 +280,6 @@ class K3DSparkModelBase(nn.Module):
         context_slot_mapping: torch.Tensor | list[torch.Tensor | None] | None = None,
     ) -> None:
         """Project target-derived context into each draft layer's latent cache."""
-        if not hasattr(self, "_num_context_layers"):
-            self._build_fused_context_kv_metadata()
         self._precompute_fused_context_kv(
             context_states, context_positions, context_slot_mapping
         )
@@ -300,9 +300,10 @@ class K3DSparkModelBase(nn.Module):
                 and attn.kv_a_layernorm.variance_epsilon
                 == attn0.kv_a_layernorm.variance_epsilon
             ), "All MLA DSpark layers must share their latent KV geometry."
-        self._context_kv_norm_weights = torch.stack(
-            [attn.kv_a_layernorm.weight.detach() for attn in attentions], dim=0
-        ).contiguous()
+        norms = [attn.kv_a_layernorm.weight.detach() for attn in attentions]
+        refill_derived(
+            self, "_context_kv_norm_weights", torch.stack(norms, dim=0).contiguous()
+        )
         self._num_context_layers = len(attentions)
         self._context_kv_width = kv_width
         self._context_kv_lora_rank = attn0.kv_lora_rank
@@ -310,13 +311,12 @@ class K3DSparkModelBase(nn.Module):
         self._context_rms_norm_eps = attn0.kv_a_layernorm.variance_epsilon
         cache_layers = self._kv_cache_layers()
         cache_dtype = cache_layers[0].kv_cache_dtype
-        self._context_kv_scales: torch.Tensor | None = None
+        kv_scales = None
         if cache_dtype in self.grouped_kv_cache_dtypes and is_quantized_kv_cache(
             cache_dtype
         ):
-            self._context_kv_scales = torch.stack(
-                [cl._k_scale.reshape(()) for cl in cache_layers]
-            )
+            kv_scales = torch.stack([cl._k_scale.reshape(()) for cl in cache_layers])
+        refill_derived(self, "_context_kv_scales", kv_scales)
 
     def _precompute_fused_context_kv(
         self,
@@ -499,6 +499,14 @@ class K3DSparkModelBase(nn.Module):
 
 class K3DSparkForCausalLMBase(nn.Module):
     model_cls: ClassVar[type[K3DSparkModelBase]]
+
+    # The speculator this is a draft model of (see SpeculativeDraftModel).
+    # Every platform's drafter declares it here: without it the DSpark config
+    # takes the draft for a DeepSeek-V4 one and rewrites its model_type.
+    speculator_config_class = DSparkSpeculatorConfig
+    # Not torch.compiled: under a compiled target, DSparkSpeculator builds and
+    # runs it on vLLM's kernels (custom ops, IR op kernels).
+    dspark_draft_runs_uncompiled = True
 
     has_own_embed_tokens = False
     has_own_lm_head = False

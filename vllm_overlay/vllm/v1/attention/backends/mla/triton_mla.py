@@ -31,7 +31,10 @@ from vllm.v1.attention.ops.triton_mla_block_decode import (
     decode_attention_fwd_mla_block,
     mla_block_decode_num_kv_splits,
 )
-from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+from vllm.v1.kv_cache_interface import (
+    get_kv_cache_spec_sliding_window,
+    is_quantized_kv_cache,
+)
 from vllm.v1.worker.workspace import (
     current_workspace_manager,
     is_workspace_manager_initialized,
@@ -55,19 +58,27 @@ def _compute_num_kv_splits(max_seq_len: int, sm_count: int) -> int:
 
 
 def _reserve_attn_logits_workspace(
-    vllm_config: VllmConfig, max_decode_rows: int, q_num_heads: int, kv_lora_rank: int
+    vllm_config: VllmConfig,
+    max_decode_rows: int,
+    q_num_heads: int,
+    kv_lora_rank: int,
+    sliding_window: int | None = None,
 ) -> None:
     """Pre-size the shared workspace for the decode split-KV attn logits.
 
-    Reserving at the worst case (max_model_len -> max num_kv_splits,
+    Reserving at the worst case (max KV length -> max num_kv_splits,
     max_decode_rows) before warmup/cudagraph capture means the per-call
     ``get_simultaneous`` in ``forward_mqa`` never has to grow the buffer at
-    runtime (which would raise once the workspace is locked).
+    runtime (which would raise once the workspace is locked). Like
+    ``forward_mqa``, the KV length is clamped to the layer's sliding window.
     """
     if not is_workspace_manager_initialized():
         return
+    max_kv_len = vllm_config.model_config.max_model_len
+    if sliding_window is not None:
+        max_kv_len = min(max_kv_len, sliding_window)
     max_splits = _compute_num_kv_splits(
-        vllm_config.model_config.max_model_len,
+        max_kv_len,
         current_platform.num_compute_units(),
     )
     current_workspace_manager().get_simultaneous(
@@ -95,6 +106,7 @@ class TritonMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             vllm_config.scheduler_config.max_num_seqs * self.reorder_batch_threshold,
             self.num_heads * self.dcp_world_size,
             self.mla_dims.kv_lora_rank,
+            get_kv_cache_spec_sliding_window(kv_cache_spec),
         )
 
     def update_draft_decode_metadata(self, _metadata: MLACommonMetadata) -> None:
@@ -146,9 +158,15 @@ class TritonMLABackend(MLACommonBackend):
         return True
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        # Decode only (windowed DSpark drafts); prefill raises.
+        return True
+
+    @classmethod
     def supports_non_causal(cls) -> bool:
         # DSpark's non-causal blocks take decode_attention_fwd_mla_block in
-        # TritonMLAImpl.forward_mqa. Enables the non-causal AMD MLA path.
+        # TritonMLAImpl.forward_mqa (windowed ones the flattened
+        # decode_attention_fwd). Enables the non-causal AMD MLA path.
         return True
 
 
@@ -185,12 +203,19 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
             **mla_args,
         )
 
-        unsupported_features = [alibi_slopes, sliding_window, logits_soft_cap]
+        unsupported_features = [alibi_slopes, logits_soft_cap]
         if any(unsupported_features):
             raise NotImplementedError(
                 "TritonMLAImpl does not support one of the following: "
-                "alibi_slopes, sliding_window, logits_soft_cap"
+                "alibi_slopes, logits_soft_cap"
             )
+        # Each decode row attends to the last `decode_sliding_window` keys.
+        self.decode_sliding_window = sliding_window
+        assert sliding_window is None or self.dcp_world_size == 1, (
+            "Sliding-window Triton MLA does not support decode context "
+            "parallelism; for a draft model, set "
+            "draft_decode_context_parallel_size=1."
+        )
 
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(
@@ -255,7 +280,14 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
             * max_decode_query_len(vllm_config),
             self.num_heads * self.dcp_world_size,
             self.kv_lora_rank,
+            self.decode_sliding_window,
         )
+
+    def forward_mha(self, *args, **kwargs) -> None:
+        if self.decode_sliding_window is not None:
+            # Windowed DSpark drafts only run non-causal decode blocks.
+            raise NotImplementedError("Sliding-window Triton MLA prefill")
+        return super().forward_mha(*args, **kwargs)
 
     def forward_mqa(
         self,
@@ -290,7 +322,15 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
         )
         # A non-causal draft block: every row of a request attends the same
         # span, so decode_attention_fwd_mla_block reads it once for them all.
-        block_decode = query_len > 1 and not attn_metadata.causal
+        # A windowed layer's block stays on decode_attention_fwd, which applies
+        # the window: the block kernel attends the whole context, and its
+        # splits are planned for max_model_len while the workspace is reserved
+        # from the window.
+        block_decode = (
+            query_len > 1
+            and not attn_metadata.causal
+            and self.decode_sliding_window is None
+        )
         if block_decode:
             # The builder rejects non-causal blocks under DCP
             # (supports_non_causal_multi_token_dcp is False).
@@ -311,9 +351,10 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
                 self._max_block_kv_splits,
             )
         else:
-            num_kv_splits = _compute_num_kv_splits(
-                attn_metadata.max_seq_len, self._sm_count
-            )
+            max_kv_len = attn_metadata.max_seq_len
+            if self.decode_sliding_window is not None:
+                max_kv_len = min(max_kv_len, self.decode_sliding_window)
+            num_kv_splits = _compute_num_kv_splits(max_kv_len, self._sm_count)
 
         # NOTE: the +1 stores the LogSumExp (LSE) that the stage2 kernel uses to
         # merge partial attention outputs across splits. The scratch is served
@@ -352,20 +393,24 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         if query_len > 1:
-            # A causal block: one decode row per token. Per-row extents are
-            # offsets off the global sequence length; under DCP seq_lens is
-            # this rank's local slice instead.
-            assert self.dcp_world_size == 1, (
-                "causal multi-token decode is not supported with DCP"
-            )
+            # One decode row per token.
             block_table = block_table.repeat_interleave(query_len, dim=0)
-            # Row t attends the prefix plus block tokens 0..t. Clamp holds
-            # padding rows at extent 0; the kernel skips them either way
-            # (split_kv_end == split_kv_start).
-            offsets = torch.arange(
-                1 - query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype
-            )
-            seq_lens = (seq_lens.unsqueeze(1) + offsets).flatten().clamp(min=0)
+            if attn_metadata.causal:
+                # Per-row extents are offsets off the global sequence length;
+                # under DCP seq_lens is this rank's local slice instead.
+                assert self.dcp_world_size == 1, (
+                    "causal multi-token decode is not supported with DCP"
+                )
+                # Row t attends the prefix plus block tokens 0..t. Clamp holds
+                # padding rows at extent 0; the kernel skips them either way
+                # (split_kv_end == split_kv_start).
+                offsets = torch.arange(
+                    1 - query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype
+                )
+                seq_lens = (seq_lens.unsqueeze(1) + offsets).flatten().clamp(min=0)
+            else:
+                # A windowed non-causal block: every row sees the same window.
+                seq_lens = seq_lens.repeat_interleave(query_len)
 
         # Run MQA — always pass layer scales. When KV cache is
         # BF16 the kernel's `if dtype.is_fp8()` check is a no-op.
@@ -384,6 +429,7 @@ class TritonMLAImpl(MLACommonImpl[MLACommonMetadata]):
             k_scale=layer._k_scale,
             v_scale=layer._k_scale,
             is_mla=True,
+            sliding_window=self.decode_sliding_window,
         )
 
         return o, lse

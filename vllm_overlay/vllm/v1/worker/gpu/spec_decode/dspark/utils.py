@@ -79,22 +79,19 @@ def _get_dspark_parallel_config(
 # A DSpark draft model is built and run under the target's compilation config.
 # Under torch.compile with Inductor (vLLM's default) that config turns custom
 # ops off and puts vLLM IR ops on their native implementations, forms meant for
-# Inductor to fuse. A drafter that is compiled too (Qwen3, Gemma 4, Muse Spark,
-# XPress) gets that fusion; one that runs uncompiled (K3) would run each RMSNorm
-# as 6-8 eager PyTorch kernels, so it takes what --enforce-eager gives it
-# instead: custom ops on, IR ops on vLLM's kernels.
+# Inductor to fuse. A drafter that is compiled too (Qwen3, Qwen3-Omni, Gemma 4,
+# Muse Spark, MiniMax, XPress) gets that fusion; one that runs uncompiled would
+# run each RMSNorm as 6-8 eager PyTorch kernels, so it can opt in to what
+# --enforce-eager gives it instead: custom ops on, IR ops on vLLM's kernels.
+# K3 opts in; the DeepSeek-V4 and Mistral Large 4 drafters, uncompiled too,
+# keep the target's config until they do.
 
 
 def draft_runs_uncompiled(model_cls: type[nn.Module]) -> bool:
-    """Whether a drafter runs uncompiled: its class names its inner model
-    (`model_cls`), and that model is not wrapped for torch.compile. A drafter
-    that says nothing is taken as compiled and keeps the target's config."""
-    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
-
-    inner = getattr(model_cls, "model_cls", None)
-    return isinstance(inner, type) and not issubclass(
-        inner, TorchCompileWithNoGuardsWrapper
-    )
+    """Whether a drafter runs uncompiled, so that it takes vLLM's kernels: its
+    class says so (`dspark_draft_runs_uncompiled = True`). A drafter that says
+    nothing is taken as compiled and keeps the target's config."""
+    return getattr(model_cls, "dspark_draft_runs_uncompiled", False) is True
 
 
 def draft_compilation_config(
@@ -142,9 +139,9 @@ def load_dspark_model(target_model: nn.Module, vllm_config: VllmConfig) -> nn.Mo
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
     from vllm.model_executor.models.utils import get_draft_quant_config
     from vllm.v1.worker.gpu.spec_decode.eagle.utils import (
-        _should_share,
         get_target_lm_head,
         maybe_share_target_embed,
+        share_target_lm_head,
     )
 
     draft_attention_backend = _resolve_dspark_attention_backend(
@@ -204,19 +201,15 @@ def load_dspark_model(target_model: nn.Module, vllm_config: VllmConfig) -> nn.Mo
     if draft_model_config.get_vocab_size() <= target_vocab_size:
         maybe_share_target_embed(draft_model, draft_inner, target_inner)
 
-    target_lm_head = get_target_lm_head(target_model, target_language_model)
-    draft_lm_head = getattr(draft_model, "lm_head", None)
     draft_output_vocab_size = (
         getattr(draft_model_config.hf_config, "draft_vocab_size", None)
         or draft_model_config.get_vocab_size()
     )
-    if (
-        target_lm_head is not None
-        and draft_output_vocab_size == target_vocab_size
-        and _should_share(draft_model, "has_own_lm_head", draft_lm_head, target_lm_head)
-    ):
-        if draft_lm_head is not None:
-            del draft_model.lm_head
-        draft_model.lm_head = target_lm_head
+    share_target_lm_head(
+        draft_model,
+        get_target_lm_head(target_model, target_language_model),
+        speculative_config.draft_lm_head_quantization,
+        can_share=draft_output_vocab_size == target_vocab_size,
+    )
 
     return draft_model
