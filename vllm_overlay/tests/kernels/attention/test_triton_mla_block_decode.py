@@ -443,14 +443,15 @@ def test_forward_mqa_windowed_non_causal_block_honours_the_window(workspace):
     finally:
         reset_workspace_manager()
 
+    assert lse is not None
     for r, seq_len in enumerate(context_lens):
         if seq_len == 0:
             continue
         tokens = torch.arange(max(seq_len - window, 0), seq_len, device=device)
         kv = cache[block_table[r, tokens // page].long(), tokens % page].float()
         rows = slice(r * query_len, (r + 1) * query_len)
-        scores = torch.einsum("thd,nd->thn", q[rows].float(), kv) * impl.scale
-        want_o = torch.einsum("thn,nd->thd", scores.softmax(-1), kv[:, :rank])
+        scores = torch.einsum("qhd,kd->qhk", q[rows].float(), kv) * impl.scale
+        want_o = torch.einsum("qhk,kd->qhd", scores.softmax(-1), kv[:, :rank])
         torch.testing.assert_close(o[rows].float(), want_o, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(
             lse[rows].float(), scores.logsumexp(-1), rtol=2e-2, atol=2e-2

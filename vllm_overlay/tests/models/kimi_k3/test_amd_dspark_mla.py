@@ -129,6 +129,7 @@ def test_k3_dspark_rocm_rope_kernel_matches_fp32_math(dist_init, monkeypatch):
 
     rope(positions, q_pe, k_pe)
 
+    assert want_k is not None
     torch.testing.assert_close(q[..., 128:], want_q.bfloat16(), atol=1e-5, rtol=2**-7)
     torch.testing.assert_close(
         kv[:, 512:], want_k.squeeze(1).bfloat16(), atol=1e-5, rtol=2**-7
