@@ -4,10 +4,11 @@ Builds build/gpubench/, a small self-contained package: the runner
 (benchmarks/gpu/: plain Python, torch and Triton) plus, for each vLLM tree
 (`pristine` = the release tag, `patched` = HEAD of build/vllm, and any
 `--rev LABEL=REV`), the files the cases call and the vllm modules they import,
-read with `git show`. vllm.triton_utils and vllm.platforms become stand-ins, so
-the package runs on a GPU machine without vLLM (e.g. an image with an older
-torch), as `python3 build/gpubench/run.py`. If this Python sees a GPU, the
-runner is started right away.
+read with `git show`. vllm.triton_utils and vllm.platforms become stand-ins
+(and so do the tensor-parallel and batch-sharding modules that the draft
+logits cache imports; STANDINS), so the package runs on a GPU machine without
+vLLM (e.g. an image with an older torch), as `python3 build/gpubench/run.py`.
+If this Python sees a GPU, the runner is started right away.
 
 Every package also holds `before`: the previous landed revision of the files
 the cases time. A kernel can beat the release and still be slower than its own
@@ -116,6 +117,43 @@ def get_max_shared_memory_bytes(gpu: int = 0) -> int:
 '''
 
 
+# vllm.v1.worker.gpu.spec_decode.draft_logits (DraftLogitsCache, which
+# rejection_sample takes since vLLM 0.34.0) imports these three (all of vLLM
+# behind them) for its batch-sharded cache only; a replicated cache needs none.
+# amd_resources/kernel_tree.py loads the tree's kernel files with them too.
+_PARALLEL_STATE = '''\
+"""Stand-in for vllm.distributed.parallel_state, written by `python3 -m scripts gpubench`."""
+
+
+def get_tp_group():
+    raise RuntimeError("no tensor-parallel group here (a stand-in of the benchmark "
+                       "package): only a replicated DraftLogitsCache can be built")
+'''
+
+_INPUT_BATCH = '''\
+"""Stand-in for vllm.v1.worker.gpu.input_batch, written by `python3 -m scripts gpubench`."""
+
+
+class InputBatch:
+    """Named in annotations only."""
+'''
+
+_BATCH_SHARD = '''\
+"""Stand-in for vllm.v1.worker.gpu.sample.batch_shard, written by `python3 -m scripts gpubench`."""
+
+
+def _batch_sharded(*args, **kwargs):
+    raise RuntimeError("no batch-sharded sampling here (a stand-in of the benchmark "
+                       "package): only a replicated DraftLogitsCache can be built")
+
+
+shard_owner = shard_owners = shard_row = shard_rows = _batch_sharded
+'''
+
+DRAFT_LOGITS_STANDINS = ("vllm.distributed.parallel_state", "vllm.v1.worker.gpu.input_batch",
+                         "vllm.v1.worker.gpu.sample.batch_shard")
+
+
 @dataclass(frozen=True)
 class StandIn:
     source: str
@@ -133,6 +171,10 @@ STANDINS = {
     "vllm.platforms.rocm": StandIn(_ROCM_PLATFORM, frozenset({"on_gfx942", "on_gfx950"}), {}),
     "vllm.utils.mem_utils": StandIn(
         _MEM_UTILS, frozenset({"get_max_shared_memory_bytes"}), {}),
+    "vllm.distributed.parallel_state": StandIn(_PARALLEL_STATE, frozenset({"get_tp_group"}), {}),
+    "vllm.v1.worker.gpu.input_batch": StandIn(_INPUT_BATCH, frozenset({"InputBatch"}), {}),
+    "vllm.v1.worker.gpu.sample.batch_shard": StandIn(
+        _BATCH_SHARD, frozenset({"shard_owner", "shard_owners", "shard_row", "shard_rows"}), {}),
 }
 
 

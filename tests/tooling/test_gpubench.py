@@ -125,10 +125,15 @@ def test_package_holds_each_tree_with_the_stand_ins(bench_project):
         # The entry file and its helper; empty package markers; the stand-ins.
         # Neither vllm.config (type checking, lazy) nor vllm.envs (the real
         # triton_utils and platforms) nor the real package __init__.
-        assert files == ["__init__.py", "kernels/__init__.py", "kernels/add.py",
-                         "kernels/helpers.py", "platforms/__init__.py",
+        assert files == ["__init__.py", "distributed/__init__.py",
+                         "distributed/parallel_state/__init__.py", "kernels/__init__.py",
+                         "kernels/add.py", "kernels/helpers.py", "platforms/__init__.py",
                          "platforms/rocm/__init__.py", "triton_utils/__init__.py",
-                         "utils/__init__.py", "utils/mem_utils/__init__.py"]
+                         "utils/__init__.py", "utils/mem_utils/__init__.py", "v1/__init__.py",
+                         "v1/worker/__init__.py", "v1/worker/gpu/__init__.py",
+                         "v1/worker/gpu/input_batch/__init__.py",
+                         "v1/worker/gpu/sample/__init__.py",
+                         "v1/worker/gpu/sample/batch_shard/__init__.py"]
         assert (vllm / "kernels" / "add.py").read_text() == ADD
         assert (vllm / "kernels" / "helpers.py").read_text() == f"BLOCK = {block}\n"
         assert (vllm / "kernels" / "__init__.py").read_text() == ""
@@ -334,6 +339,60 @@ def test_each_tree_runs_its_own_kernel_through_the_stand_ins(bench_project):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines == ["[[16, 17], [32, 33]]", "[]", "False"]
+
+
+# Shaped like vLLM 0.34.0's draft_logits.py: rejection_sample's DraftLogitsCache
+# imports the tensor-parallel group, the input batch and the batch-sharding
+# helpers, all of them heavy; a replicated cache uses none of them.
+DRAFT_LOGITS = '''\
+from vllm.distributed.parallel_state import get_tp_group
+from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.sample.batch_shard import shard_owner, shard_owners, shard_row, shard_rows
+
+
+class DraftLogitsCache:
+    def __init__(self, values, sharded=False):
+        self.row_mapping = None
+        if sharded:
+            self.shards = get_tp_group().world_size
+            self.rows = shard_rows(len(values), self.shards)
+        self.values = values
+
+    def stale_drafts(self, input_batch: InputBatch):
+        return None
+'''
+
+
+def test_the_draft_logits_caches_heavy_imports_are_stand_ins(bench_project):
+    """The package takes stand-ins for what the draft logits cache imports, so a
+    replicated cache builds there, and a batch-sharded one says why it cannot."""
+    heavy = {path: HEAVY for path in ("vllm/distributed/parallel_state.py",
+                                      "vllm/v1/worker/gpu/input_batch.py",
+                                      "vllm/v1/worker/gpu/sample/batch_shard.py")}
+    bench_project.commit("[Spec Decode] A draft logits cache",
+                         {**heavy, "vllm/kernels/draft_logits.py": DRAFT_LOGITS})
+    case = bench_project.root / "benchmarks" / "gpu" / "cases" / "add.py"
+    case.write_text(case.read_text().replace(
+        'FILES = ("vllm/kernels/add.py",)',
+        'FILES = ("vllm/kernels/add.py", "vllm/kernels/draft_logits.py")'))
+    assert build(bench_project).returncode == 0
+    vllm = package_of(bench_project) / "trees" / "patched" / "vllm"
+    assert (vllm / "kernels" / "draft_logits.py").read_text() == DRAFT_LOGITS
+    assert not any((vllm / path).exists() for path in heavy)
+    script = textwrap.dedent("""
+        from vllm.kernels.draft_logits import DraftLogitsCache
+        print(DraftLogitsCache([1.0]).values)
+        try:
+            DraftLogitsCache([1.0], sharded=True)
+        except RuntimeError as e:
+            print(e)
+    """)
+    result = subprocess.run([PYTHON, "-c", script], cwd=vllm.parent, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "[1.0]", ("no tensor-parallel group here (a stand-in of the benchmark package): "
+                  "only a replicated DraftLogitsCache can be built")]
 
 
 # --- the runner's summaries and table (benchmarks/gpu/stats.py) ---------------------------

@@ -1,17 +1,17 @@
 """The stack's Triton kernels, compiled for MI300 (gfx942) and MI355 (gfx950) on CPU.
 
 `python -m scripts.perf.amd_resources` compiles, with Triton's AMD backend, every
-launch that patch 8's `rejection_sample`, patch 5's
-`decode_attention_fwd_mla_block` and patch 9's V1 recovery kernel make at the
-drafter's production shapes (the block path at 1, 3 and 16 requests), with
-the launch options and constexprs the wrappers pass on ROCm, and exits 1 when
-one does not compile, needs more LDS than a CU has, or spills. With them, for
-reference (never a failure of the stack), aiter's FP8 batched GEMM as the MLA
-absorb pre-compiles it with AITER's FP8 BMM on, and aiter's fused QK RoPE +
-MLA cache write as the ROCm drafter launches it with AITER on. It runs in a
-process of its own: it imports the tree's kernel files under a ROCm platform
-stand-in, which this pytest process must never see. Compiled kernels are kept
-in build/amd-resources/ (about 3 minutes on 2 cores the first time, seconds
+launch that patch 8's `rejection_sample` and patch 5's
+`decode_attention_fwd_mla_block` make at the drafter's production shapes (the
+block path at 1, 3 and 16 requests), with the launch options and constexprs
+the wrappers pass on ROCm, and exits 1 when one does not compile, needs more
+LDS than a CU has, or spills. With them, for reference (never a failure of
+the stack), aiter's FP8 batched GEMM as the MLA absorb pre-compiles it with
+AITER's FP8 BMM on, and aiter's fused QK RoPE + MLA cache write as the ROCm
+drafter launches it with AITER on. It runs in a process of its own: it
+imports the tree's kernel files under a ROCm platform stand-in, which this
+pytest process must never see. Compiled kernels are kept in
+build/amd-resources/ (about 3 minutes on 2 cores the first time, seconds
 after).
 """
 
@@ -32,13 +32,13 @@ from scripts.perf.amd_resources.targets import arch_named, waves_by_registers, w
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("gfx942", "gfx950")
 STAGE1 = "_fwd_mla_block_kernel_stage1"
-# What the wrappers of patches 5, 8 and 9 launch (with draft logits and one-hot
+# What the wrappers of patches 5 and 8 launch (with draft logits and one-hot
 # drafts, standard and block verification).
 STACK_KERNELS = {
     STAGE1, "_fwd_mla_block_kernel_stage2", "_mla_block_plan_kernel",
     "_compute_local_logits_stats_kernel", "_compute_cumulative_log_p_kernel",
     "_compute_local_residual_mass_kernel", "_rejection_kernel", "_resample_kernel",
-    "_insert_resampled_kernel", "sample_recovered_tokens_kernel",
+    "_insert_resampled_kernel",
 }
 # heads per rank x query_len x KV dtype x page x KV storage (under/over 2 GiB)
 PRODUCTION_SHAPES = 4 * 7 * 2 * 2 * 2
@@ -77,6 +77,11 @@ def test_every_stack_kernel_fits_mi300_and_mi355(tmp_path, record_property):
         # (matrix_instr_nonkdim 0, kpack 1); gfx950 takes only kpack 1.
         assert all(v["options"]["matrix_instr_nonkdim"] == 16 for v in stage1)
         assert all(v["options"]["kpack"] == (2 if arch == "gfx942" else 1) for v in stage1)
+        # The resample kernel with and without skipping fully masked vocab
+        # blocks (top-k/top-p batches), with draft logits and one-hot drafts.
+        resample = [v for v in variants if v["kernel"] == "_resample_kernel"]
+        assert {(v["constexprs"]["SKIP_MASKED_BLOCKS"], v["constexprs"]["HAS_DRAFT_LOGITS"])
+                for v in resample} == set(itertools.product((False, True), repeat=2))
         record_property(f"measure:{arch} block stage 1 VGPRs (unified)",
                         f"{min(v['vgprs'] for v in stage1)}-{max(v['vgprs'] for v in stage1)}")
         record_property(f"measure:{arch} block stage 1 LDS KiB",

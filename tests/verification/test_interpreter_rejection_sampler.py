@@ -3,8 +3,14 @@
 vLLM's test file (tests/v1/spec_decode/test_rejection_sampler_nonfinite_draft.py
 in the patched tree) runs ``rejection_sample`` compiled on a GPU and skips
 without one. Its test functions take the sampler as an argument
-``(rejection_sample, method)``; here they run unchanged, each with a sampler
-that splits the batch over the interpreter workers (harness/interpreter.py).
+``(rejection_sample, method, ...)``; here they run unchanged, each with a
+sampler that splits the batch over the interpreter workers
+(harness/interpreter.py).
+
+The file's inputs are ``rejection_sample``'s keyword arguments, with the draft
+logits as a tensor, ``draft_logits`` (and, for a batch-sharded cache, its
+``draft_logits_row_mapping``); the sampler hands them to ``rejection_sample``
+in a ``DraftLogitsCache``, which it takes since vLLM 0.34.0.
 
 The file is compiled without its ``vllm`` imports (it needs them only for its
 GPU skip mark, which is dropped too), so that this process never imports vLLM;
@@ -17,6 +23,7 @@ from __future__ import annotations
 import ast
 import importlib.abc
 import importlib.util
+import itertools
 from types import ModuleType
 
 import pytest
@@ -94,20 +101,32 @@ VLLM_TESTS = _load_vllm_test(VLLM_TEST_FILE)
 
 
 def _vllm_test_params() -> list:
-    """(test name, method) for each test function and its method marks."""
+    """(test name, its parameters) for each test function and each combination
+    of its parametrize marks (one of them over ``method``)."""
     params = []
     for name, function in vars(VLLM_TESTS).items():
         if not name.startswith("test_"):
             continue
-        [mark] = [m for m in function.pytestmark if m.name == "parametrize"]
-        argname, methods = mark.args
-        assert argname == "method", f"{name} is parametrized over {argname!r}"
-        params += [pytest.param(name, method, id=f"{name}[{method}]") for method in methods]
+        # Marks apply bottom-up: the innermost decorator's comes first.
+        marks = [m for m in function.pytestmark if m.name == "parametrize"]
+        axes = []
+        for mark in marks:
+            argname, values = mark.args
+            assert isinstance(argname, str) and "," not in argname, (
+                f"{name}: one argument per parametrize mark, not {argname!r}"
+            )
+            axes.append([(argname, value) for value in values])
+        assert "method" in {axis[0][0] for axis in axes}, f"{name} has no method mark"
+        for combination in itertools.product(*axes):
+            kwargs = dict(combination)
+            test_id = "-".join(str(value) for _, value in combination)
+            params.append(pytest.param(name, kwargs, id=f"{name}[{test_id}]"))
     return params
 
 
 # rejection_sample's arguments with one entry per logit and per request; the
-# others are indexed by request slot (idx_mapping) or are scalars.
+# others are indexed by request slot (idx_mapping; the draft logits through
+# their row mapping) or are scalars.
 PER_LOGIT = (
     "target_logits",
     "draft_sampled",
@@ -143,10 +162,22 @@ def _split_requests(inputs: dict, num_batches: int) -> list[dict]:
 
 
 def _rejection_sample(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """In a worker: vLLM's rejection_sample, in the interpreter."""
+    """In a worker: vLLM's rejection_sample, in the interpreter, the draft
+    logits (and their row mapping) handed over in a DraftLogitsCache."""
     from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils
+    from vllm.v1.worker.gpu.spec_decode.draft_logits import DraftLogitsCache
 
-    return rejection_sampler_utils.rejection_sample(**inputs)
+    inputs = dict(inputs)
+    draft_logits = inputs.pop("draft_logits")
+    row_mapping = inputs.pop("draft_logits_row_mapping", None)
+    cache = None
+    if draft_logits is not None:
+        cache = DraftLogitsCache(
+            1, 1, 1, dtype=draft_logits.dtype, fill=0.0, device=draft_logits.device
+        )
+        cache.values = draft_logits
+        cache.row_mapping = row_mapping
+    return rejection_sampler_utils.rejection_sample(draft_logits_cache=cache, **inputs)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +192,6 @@ def rejection_sample():
         yield run
 
 
-@pytest.mark.parametrize(("test", "method"), _vllm_test_params())
-def test_vllm_test_in_interpreter(rejection_sample, test: str, method: str):
-    getattr(VLLM_TESTS, test)(rejection_sample, method)
+@pytest.mark.parametrize(("test", "params"), _vllm_test_params())
+def test_vllm_test_in_interpreter(rejection_sample, test: str, params: dict):
+    getattr(VLLM_TESTS, test)(rejection_sample, **params)

@@ -11,9 +11,18 @@ output of `Sampler.apply_sampling_params`, temperature applied) and draft
 logits in the model's head dtype (bf16) before temperature. The drafter's
 logits are the target's plus noise, and the draft tokens are sampled from
 them, so some requests accept a few tokens and some reject early.
+
+Since vLLM 0.34.0 `rejection_sample` takes the draft logits in the
+speculator's `DraftLogitsCache`: here a replicated one (row_mapping None), as
+K3's speculator builds it (a batch-sharded cache needs a target with
+`compute_logits_local`). No request masks logits (no top-k or top-p), so
+`skip_masked_vocab_blocks` is off, as the runner passes it then. Trees before
+0.34.0 take the draft logits tensor itself.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -88,11 +97,31 @@ def make_inputs(shape: dict, device: torch.device, generator: torch.Generator) -
 
 def bind(load):
     module = load("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils")
+    if "draft_logits_cache" not in inspect.signature(module.rejection_sample).parameters:
+
+        def call_with_tensor(inputs: dict):
+            return module.rejection_sample(**inputs)
+
+        return call_with_tensor
+    cache_class = load("vllm.v1.worker.gpu.spec_decode.draft_logits").DraftLogitsCache
 
     def call(inputs: dict):
-        return module.rejection_sample(**inputs)
+        inputs = dict(inputs)
+        cache = replicated_cache(cache_class, inputs.pop("draft_logits"))
+        return module.rejection_sample(draft_logits_cache=cache, **inputs)
 
     return call
+
+
+def replicated_cache(cache_class: type, values: torch.Tensor):
+    """A replicated DraftLogitsCache holding `values` ([num_reqs, k, V], row
+    req_state_idx), as `DraftLogitsCache(..., sharded=False)` leaves it, built
+    without its __init__: the fill of a new tensor would be one more launch in
+    every captured call."""
+    cache = cache_class.__new__(cache_class)
+    cache.row_mapping = None
+    cache.values = values
+    return cache
 
 
 def same_output(a, b) -> bool:

@@ -24,8 +24,7 @@ from scripts.perf.amd_resources.targets import Arch
 def production_resources(tree: Path, arch: Arch, jobs: int = 1) -> list[Resources]:
     with rocm_modules(tree, arch) as load:
         launches = (shapes.attention_launches(load, tree, arch) + shapes.sampler_launches(load)
-                    + shapes.v1_sampler_launches(tree) + shapes.aiter_fp8_bmm_launches(arch)
-                    + shapes.aiter_fused_rope_launches(arch))
+                    + shapes.aiter_fp8_bmm_launches(arch) + shapes.aiter_fused_rope_launches(arch))
         return compile_all(launches, arch, jobs)
 
 

@@ -1,10 +1,11 @@
 """The tree's kernel files, imported as ROCm would import them, on a CPU.
 
 `rocm_modules(tree, arch)` imports vllm modules from the files of a vLLM tree
-on disk (uncommitted edits included) with two stand-ins: vllm.triton_utils
-(the one `make gpubench` writes) and vllm.platforms, whose current platform is
-ROCm on the given GPU. Package `__init__` files are not run, so a kernel file
-pulls in only the modules it imports itself. Triton's active driver answers
+on disk (uncommitted edits included) with stand-ins: vllm.triton_utils (the
+one `make gpubench` writes), vllm.platforms, whose current platform is ROCm on
+the given GPU, and `make gpubench`'s for the tensor-parallel and batch-sharding
+modules that the draft logits cache imports. Package `__init__` files are not
+run, so a kernel file pulls in only the modules it imports itself. Triton's active driver answers
 for that GPU too (target, LDS, CUs), so a wrapper that asks Triton gets the
 answer it would get there.
 
@@ -30,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 from scripts.perf.amd_resources.targets import WAVE_SIZE, Arch
-from scripts.perf.gpubench import STANDINS
+from scripts.perf.gpubench import DRAFT_LOGITS_STANDINS, STANDINS
 
 
 class _RocmPlatform:
@@ -133,8 +134,12 @@ def _standins(arch: Arch) -> dict[str, types.ModuleType]:
     rocm.on_gfx950 = lambda: arch.name == "gfx950"
     mem_utils = types.ModuleType("vllm.utils.mem_utils")
     mem_utils.get_max_shared_memory_bytes = lambda gpu=0: arch.lds_bytes
-    return {"vllm.triton_utils": triton_utils, "vllm.platforms": platforms,
-            "vllm.platforms.rocm": rocm, "vllm.utils.mem_utils": mem_utils}
+    standins = {"vllm.triton_utils": triton_utils, "vllm.platforms": platforms,
+                "vllm.platforms.rocm": rocm, "vllm.utils.mem_utils": mem_utils}
+    for name in DRAFT_LOGITS_STANDINS:
+        standins[name] = types.ModuleType(name)
+        exec(STANDINS[name].source, standins[name].__dict__)
+    return standins
 
 
 @contextlib.contextmanager

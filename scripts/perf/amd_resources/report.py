@@ -10,10 +10,10 @@ from scripts.perf.amd_resources.resources import Resources
 # GPU's limits. The flat path is 0.33.0's and the aiter paths aiter's (the
 # absorb with AITER's FP8 BMM on; the drafter's RoPE + KV-cache write with
 # AITER on), shown for reference.
-CHECKED_PATHS = ("block", "sampler", "v1 sampler")
+CHECKED_PATHS = ("block", "sampler")
 PATH_NAMES = {"block": "block (patch 5)", "sampler": "sampler (patch 8)",
-              "v1 sampler": "V1 sampler (patch 9)", "flat": "flat (0.33.0, ref.)",
-              "aiter": "aiter FP8 BMM (ref.)", "aiter rope": "aiter RoPE + cache (ref.)"}
+              "flat": "flat (0.33.0, ref.)", "aiter": "aiter FP8 BMM (ref.)",
+              "aiter rope": "aiter RoPE + cache (ref.)"}
 # Constexprs that are the same at every production shape (512 + 64 latent,
 # 128 + 64 query head).
 _FIXED_BLOCKS = {"BLOCK_DV", "BLOCK_DMODEL", "BLOCK_DPE", "BLOCK_D_nope", "BLOCK_DK_nope",
@@ -91,7 +91,7 @@ def summary_rows(results: list[Resources]) -> list[list[str]]:
             for (arch, path, kernel, tile_text, launch, figures), (caches, count) in merged.items()]
 
 
-_PATH_ORDER = ("block", "sampler", "v1 sampler", "flat", "aiter", "aiter rope")
+_PATH_ORDER = ("block", "sampler", "flat", "aiter", "aiter rope")
 
 
 def _kv_caches(result: Resources) -> tuple[tuple[str, str], ...]:

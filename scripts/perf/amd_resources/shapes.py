@@ -9,10 +9,7 @@ launches is recorded (kernel_tree.record_launches), never run.
   flattened to one row per token (0.33.0's grouped kernel and stage 2: what
   ROCm runs today), called as `TritonMLAImpl.forward_mqa` calls them.
 - Patch 8, `rejection_sample`, as the GPU model runner's rejection sampler
-  calls it.
-- Patch 9, the V1 rejection sampler's `sample_recovered_tokens_kernel`, as its
-  dispatcher launches it. That module needs all of vLLM, so the kernel (which
-  uses only `tl`) is compiled from the tree's file alone.
+  calls it, the draft logits in the speculator's `DraftLogitsCache`.
 - With AITER's FP8 BMM on (`VLLM_ROCM_USE_AITER=1`,
   `VLLM_ROCM_USE_AITER_FP8BMM=1`), the drafter's MLA absorb runs aiter's
   Triton batched GEMM (`rocm_aiter_ops.triton_fp8_bmm`), which
@@ -34,7 +31,7 @@ import ast
 import importlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 import triton
@@ -46,8 +43,7 @@ DECODE_ATTENTION = "vllm.v1.attention.ops.triton_decode_attention"
 BLOCK_DECODE = "vllm.v1.attention.ops.triton_mla_block_decode"
 TRITON_MLA = "vllm/v1/attention/backends/mla/triton_mla.py"
 REJECTION_SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"
-V1_SAMPLER = "vllm/v1/sample/rejection_sampler.py"
-V1_RECOVERY_KERNEL = "sample_recovered_tokens_kernel"
+DRAFT_LOGITS = "vllm.v1.worker.gpu.spec_decode.draft_logits"
 
 # K3 (per tensor-parallel rank) and its DSpark drafter.
 KV_LORA_RANK = 512
@@ -177,64 +173,40 @@ def _forward_mqa(ops, path: str, shape: dict, flat_splits: int, arch: Arch,
 
 def sampler_launches(load) -> list[Launch]:
     """rejection_sample, standard and block verification, with draft logits
-    (probabilistic drafts, bf16 as the drafter caches them) and one-hot drafts."""
+    (probabilistic drafts, bf16 as the drafter caches them) and one-hot drafts,
+    with and without skip_masked_vocab_blocks (the runner sets it for a batch
+    with a request that may mask logits, e.g. top-k or top-p; a constexpr of
+    the resample kernel).
+
+    The draft logits are a replicated DraftLogitsCache (row_mapping None), as
+    the speculator builds it for K3: a batch-sharded one needs a target with
+    `compute_logits_local`, which K3's lacks."""
     sampler = load(REJECTION_SAMPLER)
+    draft_logits_cache = load(DRAFT_LOGITS).DraftLogitsCache
     reqs, steps = SAMPLER_REQUESTS, NUM_SPECULATIVE_STEPS
     logits_rows = reqs * (steps + 1)
     launches = []
-    for method, drafts in itertools.product(("standard", "block"), ("logits", "one-hot")):
-        draft_logits = None
+    for method, drafts, skip_masked in itertools.product(
+            ("standard", "block"), ("logits", "one-hot"), (False, True)):
+        cache = None
         if drafts == "logits":
-            draft_logits = _meta(reqs, steps, VOCAB_SIZE, dtype=torch.bfloat16)
+            cache = draft_logits_cache(reqs, steps, VOCAB_SIZE, dtype=torch.bfloat16,
+                                       fill=0.0, device="meta")
         with record_launches() as recorded:
             sampler.rejection_sample(
-                _meta(logits_rows, VOCAB_SIZE, dtype=torch.float32), draft_logits,
+                _meta(logits_rows, VOCAB_SIZE, dtype=torch.float32), cache,
                 _meta(logits_rows, dtype=torch.int32),
                 _meta(reqs + 1, dtype=torch.int32), _meta(logits_rows, dtype=torch.int64),
                 _meta(reqs, dtype=torch.int32), _meta(logits_rows, dtype=torch.int32),
                 _meta(logits_rows, dtype=torch.int32), _meta(reqs, dtype=torch.float32),
                 _meta(reqs, dtype=torch.int64), steps,
-                use_block_verification=method == "block")
+                use_block_verification=method == "block",
+                skip_masked_vocab_blocks=skip_masked)
         for launch in recorded:
-            launch.shape = {"path": "sampler", "method": method, "drafts": drafts}
+            launch.shape = {"path": "sampler", "method": method, "drafts": drafts,
+                            "skip_masked": skip_masked}
         launches += recorded
     return launches
-
-
-def v1_sampler_launches(tree: Path) -> list[Launch]:
-    """The V1 sampler's recovery kernel as `_sample_recovered_tokens` launches
-    it (BLOCK_SIZE 8192), with draft probabilities and without (n-gram), and
-    with the fp32 and fp64 exponential race."""
-    kernel = _jit_from_file(tree / V1_SAMPLER, V1_RECOVERY_KERNEL)
-    reqs, steps = SAMPLER_REQUESTS, NUM_SPECULATIVE_STEPS
-    rows = reqs * steps
-    launches = []
-    for no_draft_probs, fp64 in itertools.product((False, True), (False, True)):
-        race = torch.float64 if fp64 else torch.float32
-        args = (_meta(rows, dtype=torch.int64), _meta(reqs, dtype=torch.int32),
-                _meta(rows, dtype=torch.int64),
-                None if no_draft_probs else _meta(rows, VOCAB_SIZE, dtype=torch.float32),
-                _meta(rows, VOCAB_SIZE, dtype=torch.float32),
-                _meta(reqs, VOCAB_SIZE, dtype=race), VOCAB_SIZE)
-        kwargs = {"BLOCK_SIZE": 8192, "NO_DRAFT_PROBS": no_draft_probs,
-                  "USE_FP64_GUMBEL": fp64}
-        launches.append(Launch(kernel, (reqs, steps), args, kwargs,
-                               {"path": "v1 sampler", "draft_probs": not no_draft_probs,
-                                "race": "fp64" if fp64 else "fp32"}))
-    return launches
-
-
-def _jit_from_file(path: Path, name: str):
-    """The `@triton.jit` function `name` of a file, defined on its own."""
-    module = ast.parse(path.read_text(), str(path))
-    found = [node for node in module.body
-             if isinstance(node, ast.FunctionDef) and node.name == name]
-    if not found:
-        raise LookupError(f"{path}: no {name}")
-    namespace = {"triton": triton, "tl": triton.language,
-                 "__name__": ".".join(PurePosixPath(V1_SAMPLER).with_suffix("").parts)}
-    exec(compile(ast.Module(found, type_ignores=[]), str(path), "exec"), namespace)
-    return namespace[name]
 
 
 def aiter_fp8_bmm_launches(arch: Arch) -> list[Launch]:
