@@ -16,7 +16,7 @@ from scripts.runbook.parse import ResultError
 
 
 def parser() -> argparse.ArgumentParser:
-    defaults = Config(MACHINES["mi300x"], Path("runbook-results"), Path("."))
+    defaults = Config(MACHINES["mi300x"], Path("runbook-results"), Layout.default().root)
     p = argparse.ArgumentParser(
         prog="python3 -m scripts runbook",
         description="The hardware runbook (docs/hardware-runbook.md) on a ROCm machine: "

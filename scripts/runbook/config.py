@@ -72,6 +72,17 @@ MACHINES = {
 }
 
 
+def release_images(project_root: Path) -> tuple[str, str]:
+    """A and B of the release pin.toml names: vLLM's ROCm image of it, and
+    that image with this stack's overlay as `make rocm-image` tags it."""
+    from scripts.image.rocm_image import DEFAULT_OVERLAY_BASE, DEFAULT_TAG
+    from scripts.stack.pin import load_pin
+
+    version = load_pin(project_root / "pin.toml").version
+    return (DEFAULT_OVERLAY_BASE.format(version=version),
+            DEFAULT_TAG.format(version=version, recipe="overlay"))
+
+
 @dataclass(frozen=True)
 class Config:
     """One run. Every field has a default a ROCm engineer can keep."""
@@ -79,8 +90,9 @@ class Config:
     machine: Machine
     out_dir: Path
     project_root: Path
-    baseline_image: str = "vllm/vllm-openai-rocm:v0.33.0"  # A
-    candidate_image: str = "vllm-k3-dspark-rocm:v0.33.0-overlay"  # B (make rocm-image)
+    # A and B; default: the pinned release's ROCm image and `make rocm-image`'s tag.
+    baseline_image: str = ""
+    candidate_image: str = ""
     # B for the device tests: B's overlay on an image with vLLM's test
     # requirements (pytest, ...); release images have none. Default: B.
     test_image: str | None = None
@@ -126,6 +138,11 @@ class Config:
     steps: tuple[str, ...] | None = None
     # A line on top of the report (the committed example says it is synthetic).
     banner: str | None = None
+
+    def __post_init__(self) -> None:
+        baseline, candidate = release_images(self.project_root)
+        object.__setattr__(self, "baseline_image", self.baseline_image or baseline)
+        object.__setattr__(self, "candidate_image", self.candidate_image or candidate)
 
     @property
     def speculative_json(self) -> str:

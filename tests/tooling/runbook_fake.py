@@ -298,6 +298,7 @@ def project_checkout(root: Path) -> Path:
     manifest (the stack's test files) and the patched tree's tests/ (make apply)."""
     repo = Path(__file__).resolve().parents[2]
     (root / "vllm_overlay").mkdir(parents=True)
+    shutil.copyfile(repo / "pin.toml", root / "pin.toml")  # the release: A and B
     shutil.copyfile(repo / "vllm_overlay" / "MANIFEST.json",
                     root / "vllm_overlay" / "MANIFEST.json")
     (root / "build" / "vllm" / "tests").mkdir(parents=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch,
     out = tmp_path / "results"
     result = subprocess.run(
         [PYTHON, "-m", "scripts", "runbook", "--machine", machine, "--dry-run",
-         "--out", str(out), "--baseline-image", "registry/vllm-rocm:v0.33.0",
+         "--out", str(out), "--baseline-image", "registry/vllm-rocm:v0.34.0",
          "--candidate-image", "registry/k3:ci", "--port", "8123"],
         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -87,7 +88,7 @@ def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch,
         1 + 2 if arch == "gfx950" else 0)
     spec = json.dumps(SPECULATIVE_CONFIG, separators=(", ", ": "))
     assert sum(f"--speculative-config '{spec}'" in c for c in starts) == len(starts) - n
-    assert sum("registry/vllm-rocm:v0.33.0 serve" in c for c in starts) == n + 2  # refs, A, A
+    assert sum("registry/vllm-rocm:v0.34.0 serve" in c for c in starts) == n + 2  # refs, A, A
     assert sum("registry/k3:ci serve" in c for c in starts) == 2 * n + 1
     bench = [c for c in commands if " vllm bench serve " in c]
     assert len(bench) == n + 2 * 3 * 4
@@ -105,8 +106,10 @@ def test_regimes_choose_the_profiles_and_accuracy_runs(tmp_path):
     gfx950; the AITER switches cannot come through --env."""
     from scripts.common import Layout
 
+    root = project_checkout(tmp_path / "project")
+
     def config_of(*argv):
-        return cli.config_from(Layout(tmp_path), cli.parser().parse_args(
+        return cli.config_from(Layout(root), cli.parser().parse_args(
             ["--out", str(tmp_path / "out"), *argv]))
 
     config = config_of("--machine", "mi300x", "--regimes", "aiter-off")
@@ -136,7 +139,7 @@ def test_options_choose_steps_grid_and_environment(tmp_path):
         "--machine", "mi355x", "--steps", "report,sweep", "--output-lens", "128,2048",
         "--concurrencies", "2", "--env", "HIP_FORCE_DEV_KERNARG=1", "--out", str(tmp_path),
         "--serve-args", "--kv-cache-dtype fp8 --max-model-len 32768"])
-    config = cli.config_from(Layout(tmp_path), args)
+    config = cli.config_from(Layout(project_checkout(tmp_path / "project")), args)
     assert config.steps == ("sweep", "report")  # always in the runbook's order
     assert config.output_lens == (128, 2048) and config.concurrencies == (2,)
     assert config.serve_env == {"HIP_FORCE_DEV_KERNARG": "1"}
@@ -324,7 +327,7 @@ def test_b_without_pytest_asks_for_a_test_image(config, capsys):
     code, _, err = run(config, Scenario(no_pytest_in_b=True), capsys)
     assert code == 1
     assert _one_line_failure(err, config.out_dir) == (
-        "runbook: preflight: image vllm-k3-dspark-rocm:v0.33.0-overlay has no pytest: give "
+        "runbook: preflight: image vllm-k3-dspark-rocm:v0.34.0-overlay has no pytest: give "
         "--test-image, the overlay on vLLM's ROCm test image (make rocm-image "
         "BASE_IMAGE=<that image>)")
 
@@ -379,7 +382,7 @@ def test_a_missing_image_ends_with_one_line(config, capsys):
     assert code == 1
     assert _one_line_failure(err, config.out_dir) == (
         "runbook: preflight: image B exists: exited 1 (Error response from daemon: No such "
-        "image: vllm-k3-dspark-rocm:v0.33.0-overlay); log: logs/image-b-exists.log")
+        "image: vllm-k3-dspark-rocm:v0.34.0-overlay); log: logs/image-b-exists.log")
     assert (config.out_dir / "report/summary.md").exists()
 
 
@@ -387,7 +390,7 @@ def test_a_server_that_never_gets_ready_is_stopped_and_named(config, capsys):
     code, executor, err = run(config, Scenario(never_ready="B"), capsys)
     assert code == 1
     assert _one_line_failure(err, config.out_dir) == (
-        "runbook: profile: server B (vllm-k3-dspark-rocm:v0.33.0-overlay) was not ready "
+        "runbook: profile: server B (vllm-k3-dspark-rocm:v0.34.0-overlay) was not ready "
         "after 3600 s (http://127.0.0.1:8000/health); its log: "
         "logs/k3-runbook-b-aiter-off-profile.log")
     assert executor.commands[-2:] == [
@@ -410,7 +413,7 @@ def test_a_server_that_exits_while_loading_is_named(config, capsys):
     code, _, err = run(config, Scenario(server_exits="ref"), capsys)
     assert code == 1
     assert _one_line_failure(err, config.out_dir).startswith(
-        "runbook: accuracy: server ref (vllm/vllm-openai-rocm:v0.33.0) exited before it was "
+        "runbook: accuracy: server ref (vllm/vllm-openai-rocm:v0.34.0) exited before it was "
         "ready; its log: logs/k3-runbook-ref-aiter-fp8bmm.log")
 
 
@@ -443,3 +446,17 @@ def test_the_committed_example_is_what_the_runbook_writes(tmp_path):
             "`python3 -m tests.tooling.runbook_fake docs/runbook-example`")
     assert {p.name for p in (tmp_path / "example").glob("*.png")} == {
         p.name for p in example.glob("*.png")}
+
+
+def test_images_a_and_b_default_to_the_release_pin_toml_names(tmp_path):
+    """After a rebase the runbook compares the new release's image with the
+    new overlay: nothing else to edit."""
+    root = project_checkout(tmp_path / "project")
+    pin = (root / "pin.toml").read_text()
+    version = tomllib.loads(pin)["vllm"]["version"]
+    (root / "pin.toml").write_text(pin.replace(version, "0.99.0"))
+    config = Config(MACHINES["mi300x"], tmp_path / "out", root)
+    assert config.baseline_image == "vllm/vllm-openai-rocm:v0.99.0"
+    assert config.candidate_image == "vllm-k3-dspark-rocm:v0.99.0-overlay"
+    chosen = Config(MACHINES["mi300x"], tmp_path / "out", root, baseline_image="a:1")
+    assert chosen.baseline_image == "a:1"
