@@ -48,7 +48,7 @@ from tests.verification.harness import aiter_drafter as R
 from tests.verification.harness import drafter as D
 from tests.verification.harness.zygote import Zygote
 
-ABSORB_SITES = {"forward_impl", "_v_up_proj"}  # MLAAttention's two absorbs
+ABSORB_SITES = {"_prepare_mqa_query", "_v_up_proj"}  # MLAAttention's two absorbs (0.34.0)
 LOGITS_TOL = 2.0**-4
 HIDDEN_TOL = 2.0**-3
 CACHES = ("auto", "fp8")
@@ -233,7 +233,7 @@ def test_absorb_launches_aiters_fp8_bmm(regime, aiter_off, record_property):
     for phase, counts in on["counts"].items():
         i = int(phase.removeprefix("layer"))
         sites = on["sites"][phase]
-        # aiter's BMM twice (W_K absorb in forward_impl, W_V absorb in _v_up_proj) ...
+        # aiter's BMM twice (W_K absorb in _prepare_mqa_query, W_V absorb in _v_up_proj) ...
         assert counts.get(triton_bmm) == 2, counts
         assert sites[triton_bmm] == dict.fromkeys(ABSORB_SITES, 1), sites[triton_bmm]
         # ... and no torch BMM/GEMM for them: no bmm at all, and the mm's are

@@ -27,6 +27,9 @@ case per cache dtype uses production's 512 + 64.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from tests.support.pristine import PROJECT_ROOT
 from tests.verification.harness.interpreter import InterpreterPool, widen_bf16_dots
 
 # What the tile choice sees of each platform.
@@ -348,3 +352,23 @@ def test_every_tile_of_the_module_is_run(results):
     }
     missing = [tile for tile in results["module_tiles"] if tile not in picked]
     assert not missing, f"no case runs the tiles {missing}"
+
+
+# vLLM 0.34.0 decodes sliding windows in TRITON_MLA; the stack keeps a windowed
+# non-causal block on the flat path. The tree's test of that runs the real
+# kernels against a windowed reference, on a GPU or in Triton's interpreter:
+# here, the interpreter, in a process of its own (the flag is read at import).
+WINDOWED_TESTS = (
+    "tests/kernels/attention/test_triton_mla_block_decode.py::"
+    "test_forward_mqa_windowed_non_causal_block_honours_the_window"
+)
+
+
+def test_the_trees_windowed_block_test_passes_in_the_interpreter():
+    tree = PROJECT_ROOT / "build" / "vllm"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", WINDOWED_TESTS],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "2 passed" in result.stdout, result.stdout[-2000:]

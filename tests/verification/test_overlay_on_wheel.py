@@ -1,6 +1,6 @@
 """docker/Dockerfile.rocm-overlay's install step, run on the pinned wheel's real files.
 
-A ROCm image of vLLM 0.33.0 holds the release's `vllm/` package in its
+A ROCm image of the pinned vLLM release holds the release's `vllm/` package in its
 site-packages. These tests unpack the pinned wheel's `vllm/` into a scratch
 site-packages folder and run the recipe's install RUN line exactly as written
 (`sh -c`, with the recipe's STACK_DIR argument and a `python3` whose
@@ -174,7 +174,7 @@ def test_the_smoke_step_refuses_a_base_image_without_rocm_torch(site, image_pyth
 def test_smoke_check_fails_on_the_release_without_the_overlay(site):
     dispatch = drafter_dispatch(site)
     assert dispatch["vllm_file"] == str(site / "vllm" / "__init__.py")
-    # 0.33.0's registry names the NVIDIA module directly, on every platform.
+    # The release's registry names the NVIDIA module directly, on every platform.
     assert NVIDIA_DRAFTER in dispatch["smoke"] and "not " + AMD_DRAFTER in dispatch["smoke"]
 
 
@@ -198,13 +198,16 @@ def test_tampered_vllm_is_refused_with_nothing_written(site, image_python):
     assert tree_state(site) == before
 
 
+OTHER_VERSION = "0.99.0"  # any release but the overlay's
+
+
 def test_other_vllm_version_is_refused_with_nothing_written(site, image_python):
     version_file = site / "vllm" / "_version.py"
     replace_file(version_file, version_file.read_text().replace(
-        MANIFEST["vllm_version"], "0.34.0").encode())
+        MANIFEST["vllm_version"], OTHER_VERSION).encode())
     before = tree_state(site)
     result = run_install(image_python)
     assert result.returncode != 0
-    assert (f"holds vLLM 0.34.0, the overlay is for vLLM {MANIFEST['vllm_version']}; "
+    assert (f"holds vLLM {OTHER_VERSION}, the overlay is for vLLM {MANIFEST['vllm_version']}; "
             "nothing was written") in result.stderr
     assert tree_state(site) == before
