@@ -39,7 +39,7 @@ def resolved_drafter_modules() -> dict[str, str | None]:
     import vllm.models.kimi_k3 as kimi_k3
     from vllm.model_executor.models.registry import ModelRegistry
 
-    # vLLM 0.33.0 as released neither exports the drafter from the package nor
+    # vLLM 0.34.0 as released neither exports the drafter from the package nor
     # registers it through it: None, or the NVIDIA module, is what it reports.
     exported = getattr(kimi_k3, "K3DSparkForCausalLM", None)
     registered = ModelRegistry._try_load_model_cls(REGISTRY_NAME)

@@ -14,7 +14,7 @@ from scripts.runbook.parse import Accuracy, Trace
 
 @dataclass(frozen=True)
 class AiterFlags:
-    """What a served environment turns on, as vLLM 0.33.0 reads it: AITER, the
+    """What a served environment turns on, as vLLM 0.34.0 reads it: AITER, the
     absorb's FP8 BMM, its FP4 BMM (gfx950 only, and taking precedence over FP8),
     the target's AITER MLA decode (VLLM_ROCM_USE_AITER_MLA defaults to on)."""
     on: bool

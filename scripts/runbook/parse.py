@@ -47,7 +47,7 @@ def _number(data: dict, key: str, path: Path, *, required: bool = True) -> float
 
 # --- vllm bench serve --save-result ------------------------------------------
 
-# Keys of vLLM 0.33.0's result JSON (vllm/benchmarks/serve.py) the report uses.
+# Keys of vLLM 0.34.0's result JSON (vllm/benchmarks/serve.py) the report uses.
 BENCH_KEYS = ("completed", "failed", "num_prompts", "max_concurrency", "duration",
               "request_throughput", "output_throughput", "total_token_throughput",
               "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",

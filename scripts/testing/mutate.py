@@ -78,7 +78,7 @@ MUTATIONS = (
     Mutation("heads-per-rank", "the wrapper takes the global head count, not the rank's",
              AMD, "num_heads=num_heads // tp_size,", "num_heads=num_heads,"),
     Mutation("fp8-e5m2-fallback", "the grouped insert is used for fp8_e5m2 on ROCm, which "
-             "0.33.0's kernel rejects", AMD,
+             "0.34.0's kernel rejects", AMD,
              'grouped_kv_cache_dtypes = K3DSparkModelBase.grouped_kv_cache_dtypes - {"fp8_e5m2"}',
              "grouped_kv_cache_dtypes = K3DSparkModelBase.grouped_kv_cache_dtypes"),
     Mutation("wrapper-kv-names", "the speculator gets the wrapper's layer names, not the "

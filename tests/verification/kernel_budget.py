@@ -4,8 +4,8 @@ Counts the device kernels one draft step launches, per phase, with the
 dispatch-level counter of ``harness/launches.py`` (its docstring states the
 counting rules), for:
 
-* ``baseline``: the NVIDIA module of pristine vLLM 0.33.0 on ROCm, which is
-  what ROCm users run today (0.33.0's registry sends ``K3DSparkModel`` to
+* ``baseline``: the NVIDIA module of pristine vLLM 0.34.0 on ROCm, which is
+  what ROCm users run today (0.34.0's registry sends ``K3DSparkModel`` to
   ``nvidia.dspark_mla`` on every platform). It runs in a zygote that imports
   the whole pristine release, extracted from git (``tests.support.pristine``);
 * ``nvidia`` and ``amd``: the patched NVIDIA and AMD modules on ROCm;
@@ -25,7 +25,7 @@ IR ops on vLLM's C++ kernels). The drafter itself is not compiled in either
 mode. It is built and run as DSpark does: where the tree has them (the
 stack's ``[Perf][Spec Decode]`` patch), with ``draft_compilation_config`` and
 under ``draft_ir_op_priority`` (``vllm/v1/worker/gpu/spec_decode/dspark/``),
-which give the draft the eager kernels in both modes; 0.33.0 has neither.
+which give the draft the eager kernels in both modes; 0.34.0 has neither.
 
 Phases, each counted in steady state (run once uncounted first, so one-time
 work such as uploading the cache-pointer array is left out):
@@ -46,7 +46,7 @@ model``. What is counted, and where the count stops:
   non-causal block kernel ``decode_attention_fwd_mla_block``; two Triton
   kernels each) is replaced by a stand-in counted as one launch,
   ``attention::triton_mla_decode``, on both sides. The backend's own
-  preparation (output buffers, 0.33.0's per-row block table and lengths) is
+  preparation (output buffers, 0.34.0's per-row block table and lengths) is
   counted on both sides;
 * a Triton kernel launched by the drafter counts once per launch, as
   ``triton::<kernel>`` (the launch is recorded, the kernel not run);
@@ -150,10 +150,10 @@ ALLOWED_EXTRA: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Config:
-    # "baseline" (0.33.0's NVIDIA module), "nvidia", "amd", one of
+    # "baseline" (0.34.0's NVIDIA module), "nvidia", "amd", one of
     # AITER_MODULES (the AMD module in an arch's AITER FP8 BMM regime), or
     # "registry": the class vLLM's registry gives ``K3DSparkModel`` on ROCm,
-    # which is what ROCm users run with the tree (0.33.0: the NVIDIA module).
+    # which is what ROCm users run with the tree (0.34.0: the NVIDIA module).
     module: str
     cache: str  # "bf16" or "fp8"
     mode: str  # "compiled" or "eager"
@@ -263,7 +263,7 @@ def _install_stand_ins() -> None:
 def _dspark_draft_kernels(cls):
     """The tree's dspark.utils if it gives the drafter `cls` the draft's
     kernels (the stack's patch, for an uncompiled drafter), else None
-    (0.33.0, or a drafter the loader leaves on the target's config)."""
+    (0.34.0, or a drafter the loader leaves on the target's config)."""
     try:
         from vllm.v1.worker.gpu.spec_decode.dspark import utils
     except ImportError:
@@ -498,7 +498,7 @@ def measure_all(
 
 def above_the_release(results: dict[str, dict]) -> list[str]:
     """One line per tree configuration (TREE_CONFIGS) whose draft layer or
-    step launches more kernels than 0.33.0's in the same cache and mode."""
+    step launches more kernels than 0.34.0's in the same cache and mode."""
     lines = []
     for c in TREE_CONFIGS:
         tree, release = results[c.id]["counts"], results[c.baseline.id]["counts"]

@@ -290,7 +290,7 @@ def test_fp4_bmms_match_torch(gfx950, name):
 
 
 def _a16wfp4_probe(_):
-    """vLLM 0.33.0's FP4 BMM entry point (``rocm_aiter_ops.batched_gemm_a16wfp4``)
+    """vLLM 0.34.0's FP4 BMM entry point (``rocm_aiter_ops.batched_gemm_a16wfp4``)
     imports ``aiter.ops.triton.batched_gemm_a16wfp4``."""
     from vllm._aiter_ops import rocm_aiter_ops
 
@@ -304,7 +304,7 @@ def _a16wfp4_probe(_):
 def test_vllm_fp4_bmm_entry_point_is_not_in_the_pinned_aiter(gfx950):
     """A fact deliverable 2 must handle: the pinned amd-aiter
     (0.1.7.post2.dev18) has the afp4wfp4 BMMs but not ``batched_gemm_a16wfp4``,
-    which vLLM 0.33.0 calls. When this fails, the pin has it: test it."""
+    which vLLM 0.34.0 calls. When this fails, the pin has it: test it."""
     assert gfx950.map(_a16wfp4_probe, [None])[0] == "aiter.ops.triton.batched_gemm_a16wfp4"
 
 

@@ -92,7 +92,7 @@ def body_fallback(which, scenario):
 
 
 NVIDIA_E5M2 = pytest.mark.xfail(
-    reason="0.33.0's NVIDIA module keeps fp8_e5m2 on its grouped allowlist (right "
+    reason="0.34.0's NVIDIA module keeps fp8_e5m2 on its grouped allowlist (right "
     "for CUDA); run on ROCm it hits the kernel's rejection. Only the ROCm "
     "drafter is required to fall back.",
     strict=True,
@@ -112,7 +112,7 @@ NVIDIA_E5M2 = pytest.mark.xfail(
     ],
 )
 def test_context_kv_falls_back_per_layer(rocm, which, scenario):
-    """fp8_e5m2 (rejected by 0.33.0's grouped kernel on ROCm), mixed cache
+    """fp8_e5m2 (rejected by 0.34.0's grouped kernel on ROCm), mixed cache
     dtypes and a missing per-layer slot mapping must all fall back to
     per-layer ``do_kv_cache_update`` with the same cache contents."""
     rocm.call(body_fallback, which=which, scenario=scenario)

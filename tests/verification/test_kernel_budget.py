@@ -7,7 +7,7 @@ After an intended change, regenerate the pins with
     .venv/bin/python -m tests.verification.kernel_budget --print-pins
 
 and check the new table (``python -m tests.verification.kernel_budget``).
-The AMD module must launch no op more often than the baseline (0.33.0's
+The AMD module must launch no op more often than the baseline (0.34.0's
 NVIDIA module on ROCm) unless ``kernel_budget.ALLOWED_EXTRA`` gives the
 cause, and no more kernels a layer in any mode. In vLLM's default (compiled)
 config the patched drafters launch what ``--enforce-eager`` launches, and the
@@ -326,7 +326,7 @@ def _layer(budget, config_id: str) -> int:
 @pytest.mark.parametrize("module", ["nvidia", "amd", *kb.AITER_MODULES.values()])
 @pytest.mark.parametrize("cache", list(kb.CACHE_DTYPES))
 def test_draft_launches_the_eager_kernels_in_the_default_config(budget, module, cache):
-    """0.33.0 builds and runs the draft under the target's compiled config:
+    """0.34.0 builds and runs the draft under the target's compiled config:
     native PyTorch forms that nothing compiles (37 launches a layer against
     17 with --enforce-eager, bf16). The patched drafters do not."""
     compiled, eager = (

@@ -2,7 +2,7 @@
 
 Each patch lands upstream on its own, in series order, so every prefix of the
 stack is a vLLM that users run. This file measures the tree on PYTHONPATH
-(``kernel_budget.py`` says what counts) against vLLM 0.33.0 in every KV cache
+(``kernel_budget.py`` says what counts) against vLLM 0.34.0 in every KV cache
 and mode (the release's counts as ``test_kernel_budget.py`` pins and checks
 them), for what each platform runs with it: NVIDIA the NVIDIA module, ROCm
 what the registry gives ``K3DSparkModel`` there (the NVIDIA module until the
@@ -39,7 +39,7 @@ def budget(rocm) -> dict[str, dict]:
 def test_no_platform_launches_more_than_with_the_release(budget):
     above = kb.above_the_release(budget)
     assert not above, (
-        "this tree makes a draft step launch more kernels than vLLM 0.33.0:\n  "
+        "this tree makes a draft step launch more kernels than vLLM 0.34.0:\n  "
         + "\n  ".join(above)
     )
 

@@ -115,6 +115,6 @@ def body_dispatch():
 
 
 def test_registry_dispatches_amd_drafter_on_rocm(rocm):
-    """Fails on pristine 0.33.0: the registry points K3DSparkModel straight at
+    """Fails on pristine 0.34.0: the registry points K3DSparkModel straight at
     the NVIDIA module, which ROCm then runs."""
     rocm.call(body_dispatch)

@@ -9,7 +9,7 @@ fp32 ``k_pe`` is reinterpreted and the cached rope slice is garbage; with the
 fix the slice matches an independent computation.
 
 The front end is the AMD drafter's own first layer. The defect is measured
-in every run by putting pristine 0.33.0's promotion back (RoPE computed on
+in every run by putting pristine 0.34.0's promotion back (RoPE computed on
 fp32 inputs, as ``forward_static`` did for bf16 inputs and an fp32 table).
 """
 
@@ -109,7 +109,7 @@ def body_rope_slice(cache_dtype, pristine_rope=False):
 
 
 def _restore_pristine_rope_promotion():
-    """Undo the stack's RoPE fix: 0.33.0 computed the rotation of bf16 inputs
+    """Undo the stack's RoPE fix: 0.34.0 computed the rotation of bf16 inputs
     against the fp32 table in fp32 and returned it without casting back."""
     from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
         DeepseekScalingRotaryEmbedding as Rope,
@@ -139,7 +139,7 @@ def _tolerance(m, cache_dtype):
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
 def test_cached_rope_slice_matches_reference(rocm, record_property, cache_dtype):
     """The AMD drafter hands MLAAttention a bf16 k_pe and caches the right rope
-    slice. Fails on pristine 0.33.0 and with the RoPE fix reverted."""
+    slice. Fails on pristine 0.34.0 and with the RoPE fix reverted."""
     m = rocm.call(body_rope_slice, cache_dtype=cache_dtype)
     record_property(f"measure:rope_slice_max_err[{cache_dtype}]", m["rope_err"])
     record_property(f"measure:kv_c_max_err[{cache_dtype}]", m["kv_c_err"])
@@ -160,7 +160,7 @@ def test_attention_inputs_match_reference(rocm, record_property):
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
 def test_cached_rope_slice_without_the_fix(rocm, record_property, cache_dtype):
     """The review's measurement (1.6e38 auto, 450 fp8 on MI355X), reproduced:
-    with 0.33.0's promotion back and the rope module called as the first ROCm
+    with 0.34.0's promotion back and the rope module called as the first ROCm
     drafter did, fp32 k_pe reaches the cache write and the rope slice is
     garbage while kv_c stays exact. Guards the harness's sensitivity."""
     m = rocm.call(body_rope_slice, cache_dtype=cache_dtype, pristine_rope=True)

@@ -3,7 +3,7 @@
 No ROCm machine serves Kimi-K3 here, but the benchmark client is plain vLLM
 code: the exact argv the runbook builds (minus `docker exec <container>`) runs
 with the patched vLLM against tests/verification/fake_openai.py. That checks
-vLLM 0.33.0 accepts every option, that the result file it writes parses with
+vLLM 0.34.0 accepts every option, that the result file it writes parses with
 the runbook's reader, that acceptance lengths come from the server's
 spec-decode counters, and that the recorded sample the runbook's tests use
 (tests/tooling/runbook_samples/) has exactly the keys vLLM writes.

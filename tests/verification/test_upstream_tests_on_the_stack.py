@@ -1,7 +1,7 @@
 """vLLM's own tests of the drafter, as the release has them, pass on the stack.
 
 Patch 1 moves the K3 DSpark drafter into a platform-neutral base. Tests
-written against 0.33.0 (and vLLM main's, which keep doing so) reach helpers
+written against 0.34.0 (and vLLM main's, which keep doing so) reach helpers
 through ``vllm.models.kimi_k3.nvidia.dspark_mla``: those names must stay
 importable there. The release's test file runs here, unchanged, against the
 patched tree (in a process of its own); only the tests a patch changes on

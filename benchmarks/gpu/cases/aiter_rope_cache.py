@@ -13,7 +13,7 @@ into a new tensor, q_out). The unfused path runs vLLM's `rotary_embedding`
   package builder copies the modules it imports, hashed, into aiter/ of the
   package; the package's aiter/__init__.py is empty, so nothing of aiter's
   ROCm-only __init__ runs), called with the drafter's arguments;
-* unfused: vLLM 0.33.0's own CUDA kernels `rotary_embedding_kernel`
+* unfused: vLLM 0.34.0's own CUDA kernels `rotary_embedding_kernel`
   (csrc/pos_encoding_kernels.cu) and `concat_and_cache_mla_kernel`
   (csrc/cache_kernels.cu), their text taken verbatim from the release files in
   csrc/ of the package and JIT-built with torch.utils.cpp_extension for this
@@ -251,10 +251,10 @@ def fused_call(fused_kv_cache, shape: dict, table_cos, table_sin, k_scale):
     return call
 
 
-# --- the unfused path (vLLM 0.33.0's CUDA kernels) --------------------------------
+# --- the unfused path (vLLM 0.34.0's CUDA kernels) --------------------------------
 
 BINDING = r"""
-// The two launches of vLLM 0.33.0 that aiter's fused kernel replaces. The
+// The two launches of vLLM 0.34.0 that aiter's fused kernel replaces. The
 // kernels are the release's text (release_kernels.cuh, cut from
 // csrc/pos_encoding_kernels.cu and csrc/cache_kernels.cu); these host
 // wrappers transcribe the release's host functions rotary_embedding and

@@ -2,7 +2,7 @@
 calls it (vllm/v1/attention/backends/mla/triton_mla.py).
 
 The K3 DSpark drafter decodes a non-causal block of `query_len` tokens per
-request with the latent KV cache of MLA (512 latent + 64 rope). vLLM 0.33.0
+request with the latent KV cache of MLA (512 latent + 64 rope). vLLM 0.34.0
 flattens the block to one decode row per token and calls
 `decode_attention_fwd` (the grouped kernel reads a request's KV once per row
 and per 16 heads); the patched tree reads it once per tile of the request's

@@ -77,7 +77,7 @@ def report(results: dict[str, list[Resources]], failures: list[str], markdown: b
              "AMD backend, compiled on CPU; python -m scripts.perf.amd_resources):",
              render(HEADERS, summary_rows(everything), markdown), ""]
     lines += [f"note: {line}" for line in notes(everything)]
-    # The flat path is 0.33.0's and the aiter paths aiter's: what they break is
+    # The flat path is 0.34.0's and the aiter paths aiter's: what they break is
     # shown, never a failure of the stack.
     lines += reference_findings(everything)
     if failures:

@@ -7,12 +7,12 @@ from collections.abc import Iterable
 from scripts.perf.amd_resources.resources import Resources
 
 # Paths whose kernels the stack adds or changes: the check holds them to the
-# GPU's limits. The flat path is 0.33.0's and the aiter paths aiter's (the
+# GPU's limits. The flat path is the release's and the aiter paths aiter's (the
 # absorb with AITER's FP8 BMM on; the drafter's RoPE + KV-cache write with
 # AITER on), shown for reference.
 CHECKED_PATHS = ("block", "sampler")
 PATH_NAMES = {"block": "block (patch 5)", "sampler": "sampler (patch 8)",
-              "flat": "flat (0.33.0, ref.)", "aiter": "aiter FP8 BMM (ref.)",
+              "flat": "flat (release, ref.)", "aiter": "aiter FP8 BMM (ref.)",
               "aiter rope": "aiter RoPE + cache (ref.)"}
 # Constexprs that are the same at every production shape (512 + 64 latent,
 # 128 + 64 query head).

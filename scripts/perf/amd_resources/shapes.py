@@ -6,7 +6,7 @@ launches is recorded (kernel_tree.record_launches), never run.
 
 - Patch 5, `decode_attention_fwd_mla_block` (stage 1 and its stage 2), and the
   flat path it replaces, `decode_attention_fwd(is_mla=True)` on the block
-  flattened to one row per token (0.33.0's grouped kernel and stage 2: what
+  flattened to one row per token (0.34.0's grouped kernel and stage 2: what
   ROCm runs today), called as `TritonMLAImpl.forward_mqa` calls them.
 - Patch 8, `rejection_sample`, as the GPU model runner's rejection sampler
   calls it, the draft logits in the speculator's `DraftLogitsCache`.

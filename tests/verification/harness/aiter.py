@@ -9,7 +9,7 @@ before vLLM is imported (``platform.activate(mode, aiter=...)``):
 
 - **AITER off** (``block``, the default of every emulated process): ``aiter``
   is not importable and ``importlib.util.find_spec("aiter")`` is None, exactly
-  as on a machine without the package. Without this, vLLM 0.33.0 sees the
+  as on a machine without the package. Without this, vLLM 0.34.0 sees the
   installed package (``IS_AITER_FOUND``), registers its aiter custom ops and
   IR kernels, and ``vllm.model_executor.layers.mhc`` runs ``from aiter.ops
   import mhc`` at import time, which executes the package ``__init__`` and

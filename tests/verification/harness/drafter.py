@@ -2,7 +2,7 @@
 
 Runs inside an emulated process (see ``platform.activate``). The drafter class
 is whatever the platform resolves (``platform_module``): the NVIDIA module
-everywhere in pristine 0.33.0, the AMD module on ROCm once the stack lands.
+everywhere in pristine 0.34.0, the AMD module on ROCm once the stack lands.
 """
 
 from __future__ import annotations
