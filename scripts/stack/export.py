@@ -16,13 +16,18 @@ For patch k of the series, build/export/<kk>-<stem>/ holds
   `make test` results for that patch's tree (build/test-results/summary.json).
 build/export/COVER.md lists the series: order, what each patch needs, and
 which patches can go first (checked: they apply alone to the release, share
-no file with the patches before them and use nothing those add).
+no file with the patches before them and use nothing those add). What a patch
+uses is read from its code: the Python files it changes are parsed as it
+leaves them, and only the imports and names of its added lines count (a
+module named in a docstring, comment or string is no use of it); other files,
+such as CI steps naming a test file, are read as text.
 
 All or nothing: the folder is staged next to build/export and renamed into place.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -197,30 +202,150 @@ def applies(tree: Path, patch: Path, env: dict[str, str], check: bool = False) -
 
 _DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
 _NEW_FILE = re.compile(r"^diff --git a/\S+ b/(\S+)\nnew file mode", re.M)
-_DEFINED = re.compile(r"^\+\s*(?:async\s+def|def|class)\s+([A-Za-z_]\w*)"
-                      r"|^\+([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@")
+_DEFINED = re.compile(r"^\s*(?:async\s+def|def|class)\s+([A-Za-z_]\w*)"
+                      r"|^([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
 _WORD = re.compile(r"[A-Za-z_]\w*")
 _BYTE_WORD = re.compile(rb"\w+")  # git grep -w's words: runs of [A-Za-z0-9_]
 
 
 @dataclass
 class PatchFacts:
+    """What a patch adds and what its added lines use. Python files are read as
+    code (the file as the patch leaves it, parsed), so a module or function
+    named in a docstring, comment or string is no use of it; other files (a CI
+    step naming a test file, say) are read as text."""
+
     files: set[str]
     modules: set[str]  # dotted names of the .py modules it adds
     defines: set[str]  # functions, classes and top-level names it adds
-    added_text: str  # its added lines
+    imports: set[str]  # dotted names its added code imports or reads attributes of
+    names: set[str]  # identifiers its added code uses, and the words of its added text
+    text: str  # its added lines that are not read as code
 
     @classmethod
-    def of(cls, text: str) -> PatchFacts:
+    def of(cls, text: str, sources: dict[str, bytes]) -> PatchFacts:
+        """`sources`: the Python files the patch changes, as it leaves them."""
         files = {p for pair in _DIFF_FILE.findall(text) for p in pair}
-        modules = set()
-        for path in _NEW_FILE.findall(text):
-            if path.endswith(".py"):
-                modules.add(path[:-3].removesuffix("/__init__").replace("/", "."))
-        defines = {a or b for a, b in _DEFINED.findall(text)}
-        added = "\n".join(ln[1:] for ln in text.splitlines()
-                          if ln.startswith("+") and not ln.startswith("+++"))
-        return cls(files, modules, defines, added)
+        modules = {_module_of(path) for path in _NEW_FILE.findall(text) if path.endswith(".py")}
+        facts = cls(files, modules, set(), set(), set(), "")
+        prose: list[str] = []
+        for path, added in added_lines(text).items():
+            code = CodeFacts.of(sources[path], path, set(added)) if path in sources else None
+            if code:
+                facts.defines |= code.defines
+                facts.imports |= code.imports
+                facts.names |= code.names
+            else:
+                prose += added.values()
+        facts.text = "\n".join(prose)
+        facts.defines |= {a or b for a, b in _DEFINED.findall(facts.text)}
+        facts.names |= set(_WORD.findall(facts.text))
+        return facts
+
+    def uses_module(self, module: str) -> bool:
+        return (any(name == module or name.startswith(module + ".") for name in self.imports)
+                or _imports(self.text, module))
+
+
+def added_lines(text: str) -> dict[str, dict[int, str]]:
+    """Per file of a diff (its path after the patch), its added lines by their
+    number in the file as the patch leaves it."""
+    added: dict[str, dict[int, str]] = {}
+    lines: dict[int, str] = {}
+    number = None  # the next line's number in the new file; None outside a hunk
+    for line in text.split("\n"):  # not splitlines(): a form feed is no line break
+        if match := _DIFF_FILE.match(line):
+            lines = added.setdefault(match.group(2), {})
+            number = None
+        elif match := _HUNK.match(line):
+            number = int(match.group(1))
+        elif number is None or line.startswith(("-", "\\")):
+            continue  # a file's header, a removed line, "\ No newline at end of file"
+        elif line.startswith("+"):
+            lines[number] = line[1:]
+            number += 1
+        else:
+            number += 1
+    return added
+
+
+@dataclass
+class CodeFacts:
+    """What the added lines of one Python file define and use, read from its
+    syntax tree: docstrings, comments and other strings are no part of it."""
+
+    defines: set[str]
+    imports: set[str]
+    names: set[str]
+
+    @classmethod
+    def of(cls, source: bytes, path: str, added: set[int]) -> CodeFacts | None:
+        """None for a file that does not parse (its added lines are then read as text)."""
+        try:
+            module = ast.parse(source)
+        except (SyntaxError, ValueError, RecursionError):
+            return None
+        facts = cls(set(), set(), set())
+        for node in ast.walk(module):
+            facts._read(node, path, added)
+        for node in module.body:  # `X = ...` defines X at the top level only
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.lineno in added:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                facts.defines |= {n.id for t in targets for n in ast.walk(t)
+                                  if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        return facts
+
+    def _read(self, node: ast.AST, path: str, added: set[int]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.lineno in added:
+                self.defines.add(node.name)
+        elif isinstance(node, ast.Name):
+            if node.lineno in added and not isinstance(node.ctx, ast.Store):
+                self.names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            if node.end_lineno in added:  # the attribute's name ends the expression
+                self.names.add(node.attr)
+                if dotted := _dotted(node):
+                    self.imports.add(dotted)  # `vllm.models.new.f()` uses vllm.models.new
+        elif isinstance(node, ast.Import):
+            self.imports |= {alias.name for alias in node.names if alias.lineno in added}
+        elif isinstance(node, ast.ImportFrom):
+            package = _absolute(node, path)
+            for alias in (a for a in node.names if a.lineno in added):
+                self.names.add(alias.name)
+                self.imports |= {package, f"{package}.{alias.name}"}
+
+
+def _module_of(path: str) -> str:
+    """vllm/a/b.py -> vllm.a.b; vllm/a/__init__.py -> vllm.a."""
+    return path[:-3].removesuffix("/__init__").replace("/", ".")
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """`a.b.c` for an attribute chain on a name; None for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _absolute(node: ast.ImportFrom, path: str) -> str:
+    """The module a `from ... import` reads, relative ones resolved from the file's place."""
+    if not node.level:
+        return node.module or ""
+    package = path.split("/")[:-1]  # __init__.py's package is its own folder
+    package = package[:max(0, len(package) - node.level + 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def _new_sources(tree: Path, commit: str, text: str) -> dict[str, bytes]:
+    """The Python files a patch changes, at `commit` (the patch applied); a file
+    the patch deletes is not there."""
+    paths = sorted({p for p in added_lines(text) if p.endswith(".py")})
+    contents = _cat(tree, [f"{commit}:{p}" for p in paths])
+    return {p: c for p, c in zip(paths, contents) if c is not None}
 
 
 @dataclass
@@ -231,21 +356,24 @@ class Needs:
     reasons: list[str]  # one per patch it builds on directly
 
 
-def requirements(tree: Path, base: str, patch_files: list[Path],
+def requirements(tree: Path, base: str, patch_files: list[Path], commits: list[str],
                  objects: dict[str, str]) -> list[Needs]:
     """Per patch, the earlier ones it needs: those it shares a file with or whose
-    modules, functions or classes it uses, and what those need in turn; checked
-    by applying just them and it, in order, to the release. A patch that does not
+    modules, functions or classes its code uses (`commits`: the patches applied,
+    where their Python files are read), and what those need in turn; checked by
+    applying just them and it, in order, to the release. A patch that does not
     apply so needs every patch before it."""
-    facts = [PatchFacts.of(p.read_text(errors="replace")) for p in patch_files]
+    texts = [p.read_text(errors="replace") for p in patch_files]
+    facts = [PatchFacts.of(text, _new_sources(tree, commit, text))
+             for text, commit in zip(texts, commits)]
     new_names = _names_new_to(tree, base, set().union(*(f.defines for f in facts)))
     result: list[Needs] = []
     for k, (path, mine) in enumerate(zip(patch_files, facts)):
-        used_words = set(_WORD.findall(mine.added_text)) - mine.defines
+        used_names = mine.names - mine.defines
         direct: dict[int, str] = {}
         for j, theirs in enumerate(facts[:k]):
-            uses = sorted({m for m in theirs.modules if _imports(mine.added_text, m)}
-                          | (used_words & new_names & theirs.defines))
+            uses = sorted({m for m in theirs.modules if mine.uses_module(m)}
+                          | (used_names & new_names & theirs.defines))
             shared = sorted(mine.files & theirs.files)
             evidence = ([f"uses {_some(uses)} of #{j + 1}"] if uses else []) + (
                 [f"changes {_some(shared)} after #{j + 1}"] if shared else [])
@@ -264,7 +392,8 @@ def requirements(tree: Path, base: str, patch_files: list[Path],
 
 
 def _imports(text: str, module: str) -> bool:
-    """Whether `text` names `module` (dotted, as a path, or `from package import leaf`)."""
+    """Whether `text` (not code) names `module` (dotted, as a path, or `from
+    package import leaf`)."""
     if module in text or module.replace(".", "/") + ".py" in text:
         return True
     package, _, leaf = module.rpartition(".")
@@ -293,14 +422,29 @@ def _blobs(tree: Path, rev: str) -> Iterator[bytes]:
     listing = git(tree, "ls-tree", "-r", "-z", rev).stdout
     ids = [entry.split(None, 3)[2] for entry in listing.split("\0")
            if entry and entry.split(None, 2)[1] == "blob"]
-    out = git(tree, "cat-file", "--batch", input=("\n".join(ids) + "\n").encode(),
+    yield from (blob for blob in _cat(tree, ids) if blob is not None)
+
+
+def _cat(tree: Path, objects: list[str]) -> list[bytes | None]:
+    """The contents of `objects` (ids or `<rev>:<path>`) in one `git cat-file`;
+    None for one that does not exist."""
+    if not objects:
+        return []
+    out = git(tree, "cat-file", "--batch", input=("\n".join(objects) + "\n").encode(),
               text=False).stdout
+    contents: list[bytes | None] = []
     position = 0
-    for _ in ids:  # each: "<id> blob <size>\n<content>\n"
+    for _ in objects:  # each: "<id> <type> <size>\n<content>\n" or "<name> missing\n"
         header_end = out.index(b"\n", position)
-        size = int(out[position:header_end].split()[2])
-        yield out[header_end + 1:header_end + 1 + size]
+        header = out[position:header_end].split()
+        if header[-1] == b"missing":
+            contents.append(None)
+            position = header_end + 1
+            continue
+        size = int(header[2])
+        contents.append(out[header_end + 1:header_end + 1 + size])
         position = header_end + 1 + size + 1
+    return contents
 
 
 # --- figures and the commit that measured them ------------------------------------
@@ -497,8 +641,9 @@ def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[di
              "`Co-authored-by:`.", "",
              "Send them in this order: `make test` tests the tree after each prefix of it. "
              "What a patch needs is read from the patches: the earlier ones it changes a "
-             "file of or whose modules, functions or classes it uses, and what those need "
-             "in turn; it applies to the release after just those.", "",
+             "file of or whose modules, functions or classes its code uses (imports and "
+             "names in code, not docstrings, comments or strings), and what those need in "
+             "turn; it applies to the release after just those.", "",
              "| # | pull request | folder | needs |", "| ---: | --- | --- | --- |"]
     for e in entries:
         lines.append(f"| {e['k']} | {e['subject']} | `{e['folder']}/` | "
@@ -688,7 +833,7 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
                             "file": out})
             say(f"  [{k}/{len(patches)}] {folder}/: re-signed, reproduces its commit, PR.md")
         say("  which patches can go first: each tried alone on the release")
-        needs = requirements(tree, base, [e["file"] for e in entries], objects)
+        needs = requirements(tree, base, [e["file"] for e in entries], commits, objects)
     for problem, numbers in problems.items():
         warn(f"{problem} (patch {', '.join(map(str, numbers))})")
     for entry, need in zip(entries, needs):

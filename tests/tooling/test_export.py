@@ -458,3 +458,45 @@ def test_an_overview_that_ends_on_a_colon_keeps_what_it_introduces(series):
     assert "Two things go wrong:\n\n* one;\n* two." in overview
     assert "The rest is background." not in overview
     assert "The rest is background." in pr.split("## Details", 1)[1]
+
+
+def _cover_needs(project) -> dict[int, str]:
+    """COVER.md's "needs" column, by patch number."""
+    cover = (project.root / "build" / "export" / "COVER.md").read_text()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in cover.splitlines()]
+    return {int(r[0]): r[3] for r in rows if len(r) == 4 and r[0].isdigit()}
+
+
+def test_a_name_in_a_docstring_comment_or_string_is_no_dependency(series):
+    """Patch 8 names #2's module and #1's and #2's new functions only in a
+    docstring, a comment and a string: it needs nothing. Patch 9 imports that
+    module and calls those functions in code: it needs both. Patch 10, a CI
+    step that names the module's file, is read as text: it needs #2."""
+    series.commit("[Doc] Describe the models", {"vllm/models/doc.py": (
+        '"""Built like vllm.models.new (vllm/models/new.py): new_model(), helper()."""\n'
+        "\n"
+        "# from vllm.models import new; new.new_model() and foo.helper() are the pattern\n"
+        "\n"
+        "\n"
+        "def describe():\n"
+        '    """import vllm.models.new"""\n'
+        '    return "vllm.models.new.new_model and helper"\n')})
+    series.commit("[ROCm] Use the new model", {"vllm/models/user2.py": (
+        "import vllm.models.new\n"
+        "from vllm.models.foo import helper as block_helper\n"
+        "\n"
+        "\n"
+        "def use():\n"
+        "    return vllm.models.new.new_model() + block_helper()\n")})
+    series.commit("[CI] Test the new model", {".buildkite/new.yaml": (
+        "steps:\n  - command: pytest vllm/models/new.py\n")})
+    series.ok("patches")
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    assert _cover_needs(series) == {1: "nothing", 2: "nothing", 3: "#2", 4: "#1", 5: "#1",
+                                    6: "#2", 7: "nothing", 8: "nothing", 9: "#1-#2",
+                                    10: "#2"}
+    cover = (series.root / "build" / "export" / "COVER.md").read_text()
+    assert ("- #9 needs #1-#2: it uses `helper` of #1; uses `new_model`, `vllm.models.new` "
+            "of #2.") in cover
+    assert "- #10 needs #2: it uses `vllm.models.new` of #2." in cover
