@@ -9,11 +9,16 @@ diff, subject, body and author date are unchanged.
 For patch k of the series, build/export/<kk>-<stem>/ holds
 - <stem>.patch: re-signed, `git am --keep-non-patch`-able onto the pristine
   release after patches 1..k-1 (checked here: applied in a scratch index, the
-  series gives the same tree as build/vllm);
+  series gives the same tree as build/vllm); its `From <id>` line names the
+  re-signed commit, this PR's head commit as exported;
 - PR.md: the description in the PR template of the patched tree, filled from
   the commit message, patches/notes/<stem>.md (optional free sections such as
   "## Claims", "## Rationale", "## Hardware test plan") and the latest
   `make test` results for that patch's tree (build/test-results/summary.json).
+  Its validation names the head commit and its tree, which a reviewer can
+  check after `git am` (project commits are not public): a figure cited as
+  measured at a project commit where this patch's diff was what it is now
+  cites the head commit instead; one where the diff differed is flagged stale.
 build/export/COVER.md lists the series: order, what each patch needs, and
 which patches can go first (checked: they apply alone to the release, share
 no file with the patches before them and use nothing those add). What a patch
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.common import Layout, StackError, read_regular, rel, say, shown, warn
-from scripts.stack.apply import guard_tree, render_commit
+from scripts.stack.apply import FORMAT_PATCH, guard_tree, render_commit
 from scripts.stack.gitrepo import commits_since, git, is_stack_repo, read_state
 from scripts.stack.pin import load_pin
 from scripts.stack.series import Patch, read_series
@@ -450,8 +455,10 @@ def _cat(tree: Path, objects: list[str]) -> list[bytes | None]:
 # --- figures and the commit that measured them ------------------------------------
 
 # How a message or notes file names the project commit a figure was measured on
-# (wrapped text may break the name over lines).
-_MEASURED_AT = re.compile(r"\b(project\s+commit)\s+([0-9a-f]{7,40})\b")
+# (wrapped text may break the name over lines), with the project's name if it
+# is there: a current mention is replaced whole.
+_MEASURED_AT = re.compile(r"(?:\bK3\s+DSpark\s+ROCm\s+)?\b(project\s+commit)\s+"
+                          r"([0-9a-f]{7,40})\b")
 
 
 def _code(patch_file: bytes) -> bytes:
@@ -474,14 +481,27 @@ def stale_commits(layout: Layout, patch: Patch, text: str) -> list[str]:
     return stale
 
 
-def mark_stale(text: str, stale: list[str]) -> str:
-    """Each mention of a stale measuring commit, flagged where the reader sees it."""
-    def flag(m: re.Match) -> str:
+def cite_head(text: str, stale: list[str], head: str) -> str:
+    """Each mention of a measuring commit, as an upstream reviewer can follow it:
+    a stale one flagged where the reader sees it; a current one (measured on
+    this very diff) replaced by this PR's head commit, since nobody upstream
+    can look up a project commit."""
+    def cite(m: re.Match) -> str:
         if m.group(2) not in stale:
-            return m.group(0)
+            return f"this PR's head commit `{head[:12]}`"
         return (f"{m.group(0)} (**stale**: this PR's code changed after that "
                 "measurement)")
-    return _MEASURED_AT.sub(flag, text)
+    return _MEASURED_AT.sub(cite, text)
+
+
+def head_text(head: str, tree_id: str, k: int, release: str) -> str:
+    """The line of PR.md that names the commit a reviewer is given, and the tree
+    they can check it by (the commit id depends on who runs `git am`, the tree
+    does not)."""
+    applied = "this patch" if k == 1 else f"patches 1-{k} of the series"
+    return (f"This PR's head commit `{head[:12]}` as exported (tree `{tree_id[:12]}`; "
+            f"after `git am` of {applied} onto {release}, `git rev-parse HEAD^{{tree}}` "
+            "prints it).")
 
 
 # --- PR.md and COVER.md ---------------------------------------------------------------
@@ -707,7 +727,7 @@ def export_for_upstream(layout: Layout, signoff: str) -> None:
     say(f"exporting {len(patches)} patch(es) for {submitter}")
     try:
         entries = _write_pr_folders(layout, staging, patches, commits, base, submitter,
-                                template.stdout, summary)
+                                    template.stdout, summary, f"vLLM {pin.version}")
         (staging / "COVER.md").write_text(cover(pin.version, pin.commit, submitter,
                                                 entries, summary))
         _replace(staging, layout.build_dir / EXPORT)
@@ -788,7 +808,7 @@ def _summary_problem(summary: dict) -> str | None:
 
 def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
                       commits: list[str], base: str, submitter: Person, template: str,
-                      summary: dict | None) -> list[dict]:
+                      summary: dict | None, release: str) -> list[dict]:
     """One folder per patch under `staging`: the re-signed patch and its PR.md."""
     tree = layout.tree
     width = max(2, len(str(len(patches))))
@@ -801,7 +821,7 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
             (staging / folder).mkdir()
             parent = resign(tree, commit, parent, submitter, objects)
             out = staging / folder / patch.name
-            out.write_bytes(render_commit(layout, parent, env=objects))
+            out.write_bytes(render_with_id(layout, parent, objects))
             tree_of_patch = git(tree, "rev-parse", f"{commit}^{{tree}}").stdout.strip()
             # The file itself, applied after the ones before it, gives the patched tree.
             if not (applies(tree, out, index)
@@ -818,9 +838,11 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
             validation, missing = validation_text(summary, tree_of_patch, k, len(patches))
             if missing:
                 problems.setdefault(missing, []).append(k)
+            validation = f"{head_text(parent, tree_of_patch, k, release)}\n\n{validation}"
             description, unfilled = pr_description(template, message, notes, validation)
-            if stale := stale_commits(layout, patch, description):
-                description = mark_stale(description, stale)
+            stale = stale_commits(layout, patch, description)
+            description = cite_head(description, stale, parent)
+            if stale:
                 problems.setdefault(
                     "figures measured on a project commit where this patch's code was "
                     "different are marked stale in PR.md (measure again and cite the "
@@ -839,6 +861,13 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
     for entry, need in zip(entries, needs):
         entry["needs"] = need
     return entries
+
+
+def render_with_id(layout: Layout, commit: str, objects: dict[str, str]) -> bytes:
+    """`commit` as a file to `git am`, whose `From <id>` line names the commit
+    that PR.md names (patches/ writes zeros there: its ids change at every apply)."""
+    with_id = [arg for arg in FORMAT_PATCH if arg != "--zero-commit"]
+    return git(layout.tree, *with_id, "-1", commit, env=objects, text=False).stdout
 
 
 def _replace(staging: Path, target: Path) -> None:

@@ -428,7 +428,8 @@ def test_a_figure_measured_before_the_patch_changed_is_marked_stale(series):
     result = export(series)
     assert result.returncode == 0, result.stderr
     pr = (folder(series, 7) / "PR.md").read_text()
-    assert f"at project commit {measured}." in pr and "stale" not in pr
+    assert "project commit" not in pr and "stale" not in pr
+    assert "3.1 ms a step, at this PR's head commit `" in pr
     series.commit("[Bugfix] Describe vLLM better", {"vllm/__init__.py": (
         '"""vLLM, described better."""\nfrom vllm._version import __version__\n')})
     series.git("reset", "-q", "--soft", "HEAD~2")
@@ -500,3 +501,43 @@ def test_a_name_in_a_docstring_comment_or_string_is_no_dependency(series):
     assert ("- #9 needs #1-#2: it uses `helper` of #1; uses `new_model`, `vllm.models.new` "
             "of #2.") in cover
     assert "- #10 needs #2: it uses `vllm.models.new` of #2." in cover
+
+
+def _exported_id(patch: Path) -> str:
+    """The commit an exported .patch file names in its `From <id> <date>` line."""
+    first = patch.read_text().splitlines()[0].split()
+    assert first[0] == "From" and len(first[1]) == 40 and set(first[1]) != {"0"}
+    return first[1]
+
+
+def test_pr_md_names_its_exported_head_commit_and_tree_not_a_project_commit(series, tmp_path):
+    """A figure measured at a project commit where the patch's diff was what it
+    is now cites this PR's head commit instead (nobody upstream can look a
+    project commit up); the validation names that commit, the one the .patch
+    file is, and the tree `git am` of patches 1-k onto the release gives."""
+    series.git("init", "-q", "-b", "main", cwd=series.root)
+    series.git("add", "-A", cwd=series.root)
+    series.git("commit", "-q", "-m", "measured", cwd=series.root)
+    measured = series.git("rev-parse", "--short", "HEAD", cwd=series.root)
+    series.git("commit", "-q", "--amend", "-m", "[Bugfix] Describe vLLM", "-m",
+               "## Purpose\n\nvLLM is undescribed.", "-m",
+               f"## Test Result\n\nImport time 3.1 ms (K3 DSpark ROCm project commit\n"
+               f"{measured}, the median of 5).", "-m", SIGNOFF)
+    series.ok("patches")
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    upstream = tmp_path / "upstream"
+    series.git("clone", "-q", str(series.tree), str(upstream), cwd=tmp_path)
+    series.git("checkout", "-q", "--detach", BASE, cwd=upstream)
+    for k in range(1, len(PATCHES) + 1):
+        patch = folder(series, k) / f"{STEMS[k - 1]}.patch"
+        series.git("am", "--keep-non-patch", str(patch), cwd=upstream)
+        head, tree = _exported_id(patch), series.git("rev-parse", "HEAD^{tree}", cwd=upstream)
+        pr = (folder(series, k) / "PR.md").read_text()
+        validation = pr.split("### Automated checks", 1)[1].split("\n## ", 1)[0]
+        assert (f"This PR's head commit `{head[:12]}` as exported (tree `{tree[:12]}`; after "
+                "`git am` of ") in validation
+        assert "`git rev-parse HEAD^{tree}` prints it)." in validation
+    assert "`git am` of patches 1-7 of the series onto vLLM 0.1.0" in pr
+    assert "project commit" not in pr and measured not in pr and "stale" not in pr
+    assert f"Import time 3.1 ms (this PR's head commit `{head[:12]}`, the median of 5)." in pr
