@@ -19,6 +19,9 @@ For patch k of the series, build/export/<kk>-<stem>/ holds
   check after `git am` (project commits are not public): a figure cited as
   measured at a project commit where this patch's diff was what it is now
   cites the head commit instead; one where the diff differed is flagged stale.
+  A notes section headed "## History..." (the patch's revisions) stays in the
+  notes, and a PR.md of more than 120 lines is named in a warning: vLLM's
+  reviewers ask for descriptions of at most about that.
 build/export/COVER.md lists the series: order, what each patch needs, and
 which patches can go first (checked: they apply alone to the release, share
 no file with the patches before them and use nothing those add). What a patch
@@ -51,6 +54,9 @@ from scripts.stack.series import Patch, read_series
 from scripts.testing.testcache import FORMAT, RESULTS, shown_date
 
 EXPORT = "export"
+# vLLM's reviewers asked for PR descriptions of at most about this many lines
+# (problem, design, tests, numbers); revision history stays in patches/notes.
+PR_LINES = 120
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
 NOTES = "notes"
 _TRAILER = re.compile(r"^[A-Za-z][A-Za-z0-9-]*: \S")
@@ -511,7 +517,10 @@ def pr_description(template: str, message: Message, notes: Message,
                    validation: str) -> tuple[str, list[str]]:
     """The template with each known `## ` section filled, and the headings left as they are.
 
-    Every section of the message and the notes lands somewhere (they are consumed)."""
+    Every section of the message and the notes lands somewhere (they are
+    consumed), except the notes' history ("## History...", the revisions of
+    the patch), which stays in patches/notes: the PR reads as it lands."""
+    notes.take("history")
     opening = [message.preamble] if message.preamble else []
     purpose = "\n\n".join(opening + [text for _, text in message.take("purpose")])
     overview, background = _lead(purpose)
@@ -850,6 +859,12 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
             for heading in unfilled:
                 problems.setdefault(f"PR.md leaves the template's {heading!r} section "
                                     "for you to fill", []).append(k)
+            if len(description.splitlines()) > PR_LINES:
+                problems.setdefault(
+                    f"PR.md is longer than {PR_LINES} lines, vLLM's reviewers ask for at "
+                    "most about that (problem, design, tests, numbers): shorten the message "
+                    f"or notes; a '## History' section of {rel(layout.patches_dir, layout)}/"
+                    f"{NOTES}/<patch>.md stays out of PR.md", []).append(k)
             (staging / folder / "PR.md").write_text(description)
             entries.append({"k": k, "folder": folder, "subject": message.subject,
                             "file": out})

@@ -541,3 +541,37 @@ def test_pr_md_names_its_exported_head_commit_and_tree_not_a_project_commit(seri
     assert "`git am` of patches 1-7 of the series onto vLLM 0.1.0" in pr
     assert "project commit" not in pr and measured not in pr and "stale" not in pr
     assert f"Import time 3.1 ms (this PR's head commit `{head[:12]}`, the median of 5)." in pr
+
+
+def test_a_history_section_of_the_notes_stays_out_of_pr_md(series):
+    """A notes section headed "History..." (the patch's revisions) stays in the
+    notes; the sections around it still land in PR.md."""
+    notes = series.patches / "notes" / f"{STEMS[0]}.md"
+    notes.write_text(NOTES_1 + "\n## History of revisions\n\n- v2: BLOCK 64, not 128.\n\n"
+                     "## Risks\n\nNone known.\n")
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    pr = (folder(series, 1) / "PR.md").read_text()
+    assert "History" not in pr and "BLOCK 64, not 128" not in pr
+    assert "### Rationale" in pr and "### Risks\n\nNone known." in pr
+    assert "v2: BLOCK 64, not 128." in notes.read_text()
+
+
+def test_a_pr_md_longer_than_120_lines_is_named_in_one_warning(series):
+    """vLLM's reviewers read PR descriptions of at most about 120 lines: a longer
+    one is named, a shorter one is not."""
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    assert "longer than 120 lines" not in result.stderr
+    steps = "\n".join(f"- step {i}." for i in range(1, 120))
+    series.git("commit", "-q", "--amend", "-m", "[Bugfix] Describe vLLM", "-m",
+               f"## Purpose\n\nvLLM is undescribed.\n\n## Design\n\n{steps}", "-m", SIGNOFF)
+    series.ok("patches")
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    assert len((folder(series, 7) / "PR.md").read_text().splitlines()) > 120
+    long = [ln for ln in result.stderr.splitlines() if "longer than 120 lines" in ln]
+    assert long == [("warning: PR.md is longer than 120 lines, vLLM's reviewers ask for at "
+                     "most about that (problem, design, tests, numbers): shorten the message "
+                     "or notes; a '## History' section of patches/notes/<patch>.md stays out "
+                     "of PR.md (patch 7)")]
