@@ -519,7 +519,8 @@ def pr_description(template: str, message: Message, notes: Message,
 
     Every section of the message and the notes lands somewhere (they are
     consumed), except the notes' history ("## History...", the revisions of
-    the patch), which stays in patches/notes: the PR reads as it lands."""
+    the patch), which stays in patches/notes: reviewers read the change, not
+    how it got there."""
     notes.take("history")
     opening = [message.preamble] if message.preamble else []
     purpose = "\n\n".join(opening + [text for _, text in message.take("purpose")])
@@ -828,9 +829,10 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
         for k, (patch, commit) in enumerate(zip(patches, commits), start=1):
             folder = f"{k:0{width}d}-{patch.path.stem}"
             (staging / folder).mkdir()
-            parent = resign(tree, commit, parent, submitter, objects)
+            head = resign(tree, commit, parent, submitter, objects)  # this PR's head commit
+            parent = head  # the next patch goes on it
             out = staging / folder / patch.name
-            out.write_bytes(render_with_id(layout, parent, objects))
+            out.write_bytes(render_with_id(layout, head, objects))
             tree_of_patch = git(tree, "rev-parse", f"{commit}^{{tree}}").stdout.strip()
             # The file itself, applied after the ones before it, gives the patched tree.
             if not (applies(tree, out, index)
@@ -847,10 +849,10 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
             validation, missing = validation_text(summary, tree_of_patch, k, len(patches))
             if missing:
                 problems.setdefault(missing, []).append(k)
-            validation = f"{head_text(parent, tree_of_patch, k, release)}\n\n{validation}"
+            validation = f"{head_text(head, tree_of_patch, k, release)}\n\n{validation}"
             description, unfilled = pr_description(template, message, notes, validation)
             stale = stale_commits(layout, patch, description)
-            description = cite_head(description, stale, parent)
+            description = cite_head(description, stale, head)
             if stale:
                 problems.setdefault(
                     "figures measured on a project commit where this patch's code was "
