@@ -822,7 +822,7 @@ def test_k3_dspark_rocm_kv_cache_spec_groups_with_target_mla(build_draft):
     ("cache_dtype", "grouped"),
     [
         ("fp8", True),
-        # 0.33.0's grouped kernel rejects fp8_e5m2 on ROCm: per-layer fallback.
+        # The grouped kernel rejects fp8_e5m2 on ROCm: per-layer fallback.
         ("fp8_e5m2", False),
     ],
 )

@@ -320,7 +320,7 @@ class K3DSparkDecoderLayer(K3DSparkDecoderLayerBase):
 
 class K3DSparkModel(K3DSparkModelBase):
     decoder_layer_cls = K3DSparkDecoderLayer
-    # 0.33.0's concat_and_cache_mla_grouped rejects fp8_e5m2 on ROCm.
+    # concat_and_cache_mla_grouped rejects fp8_e5m2 on ROCm (cache_kernels.cu).
     grouped_kv_cache_dtypes = K3DSparkModelBase.grouped_kv_cache_dtypes - {"fp8_e5m2"}
 
     def kv_cache_layer(self, attn: nn.Module) -> Any:

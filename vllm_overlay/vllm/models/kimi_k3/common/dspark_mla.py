@@ -460,19 +460,14 @@ class K3DSparkModelBase(nn.Module):
         The context precompute first runs (and may be captured in a CUDA/HIP
         graph) against the memory-profiling caches; the real caches are bound
         later. A captured graph keeps the array's address, so the array is
-        refreshed in place and only allocated when it has to be. This runs
-        whenever the addresses change, never during graph capture.
+        refilled in place (allocated only for a new layer count or device).
+        This runs whenever the addresses change, never during graph capture.
         """
-        host_ptrs = torch.tensor(ptrs, dtype=torch.int64)
-        cache_ptrs = getattr(self, "_context_cache_ptrs", None)
-        if (
-            cache_ptrs is None
-            or cache_ptrs.shape != host_ptrs.shape
-            or cache_ptrs.device != device
-        ):
-            self._context_cache_ptrs = host_ptrs.to(device)
-        else:
-            cache_ptrs.copy_(host_ptrs)
+        refill_derived(
+            self,
+            "_context_cache_ptrs",
+            torch.tensor(ptrs, dtype=torch.int64, device=device),
+        )
 
     def forward(
         self,
