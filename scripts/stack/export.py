@@ -633,22 +633,50 @@ def validation_text(summary: dict | None, tree_of_patch: str, k: int,
     platforms = ("on CPU, and again under vLLM's RocmPlatform emulated on CPU (gfx942), "
                  "where the ROCm-only tests that need no GPU run" if emulated else
                  "on CPU only, where the ROCm-only tests are skipped")
-    lines = [f"`make test` of the K3 DSpark patch stack on {scope}, {platforms} (no GPU):", "",
-             "| check | in | platform | passed | failed | skipped | run |",
-             "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    lines = [f"`make test` of the K3 DSpark patch stack on {scope}, {platforms} (no GPU), "
+             "one line per row and platform:", "",
+             "| row | in | platform | commands | passed | failed | skipped | run |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    files: dict[str, None] = {}  # the vLLM test files run, in order
     for row in rows:
         for part in row["parts"]:
-            date = shown_date((part["reused"] or {}).get("date") or summary["started"])
             where = "vLLM tree" if part["where"].startswith("build/") else "patch-stack project"
             command, platform = _shown(part["command"])
-            lines.append(f"| `{command}` | {where} | {platform} | {part['passed']} | "
-                         f"{part['failed']} | {part['skipped']} | {date} |")
+            groups.setdefault((row["name"], where, platform), []).append(part)
+            if where == "vLLM tree":
+                files.update(dict.fromkeys(_test_files(command)))
+    for (name, where, platform), parts in groups.items():
+        dates = sorted(shown_date((p["reused"] or {}).get("date") or summary["started"])
+                       for p in parts)
+        run = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+        totals = [sum(p[key] for p in parts) for key in ("passed", "failed", "skipped")]
+        lines.append(f"| {name} | {where} | {platform} | {len(parts)} | "
+                     + " | ".join(map(str, totals)) + f" | {run} |")
+    if files:
+        lines += ["", f"vLLM test files run: {_some(list(files), shown=12)}."]
     failed = sum(r["failed"] for r in rows)
     return "\n".join(lines), (f"{failed} check(s) failed in the latest `make test` of its "
                               "tree" if failed else None)
 
 
 _ROCM_PLUGIN = "-p rocm_emulation.plugin"
+
+
+def _test_files(command: str) -> list[str]:
+    """The test files a shown pytest command names (a node id counts as its file)."""
+    if not command.startswith("pytest "):
+        return []
+    found, words = [], iter(command.split()[1:])
+    for word in words:
+        if word in _OPTIONS_WITH_A_VALUE:
+            next(words, None)  # e.g. the node id of a --deselect
+        elif not word.startswith("-") and word.split("::")[0].endswith(".py"):
+            found.append(word.split("::")[0])
+    return found
+
+
+_OPTIONS_WITH_A_VALUE = {"-p", "-k", "-m", "--deselect", "--ignore", "-o"}
 
 
 def _shown(command: str) -> tuple[str, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import shutil
 import subprocess
@@ -210,9 +212,8 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
     for text in ("### Test Plan", "pytest tests/test_foo.py", "### Test Result",
                  "### Automated checks",
                  "on CPU only, where the ROCm-only tests are skipped",
-                 "| `pytest -q tests/test_foo.py` | vLLM tree | CPU | 3 | 0 | 1 | "
-                 "2026-01-02 03:04 UTC |",
-                 "| `vLLM pre-commit: ruff check` | vLLM tree | CPU | 9 | 0 | 0",
+                 "| prefix 1/7 | vLLM tree | CPU | 2 | 12 | 0 | 1 | 2026-01-02 03:04 UTC |",
+                 "vLLM test files run: `tests/test_foo.py`.",
                  "### Hardware test plan (MI300/MI355 reviewers)", "foo benchmark on an MI300"):
         assert text in validation
     details = sections["## Details"]
@@ -230,9 +231,8 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
     assert pr.endswith(checklist) and "[x]" not in pr
     assert "<!-- Summarize" not in pr and "<!-- Explain" not in pr
     last = (folder(series, 7) / "PR.md").read_text()
-    assert ("| `pytest -q tests/test_foo.py` | vLLM tree | CPU | 5 | 0 | 2 | "
-            "2026-02-03 04:05 UTC |" in last)
-    assert ("| `pytest -q tests/test_foo.py` | vLLM tree | emulated ROCm | 6 | 0 | 1 | "
+    assert "| stack | vLLM tree | CPU | 1 | 5 | 0 | 2 | 2026-02-03 04:05 UTC |" in last
+    assert ("| stack (ROCm) | vLLM tree | emulated ROCm | 1 | 6 | 0 | 1 | "
             "2026-02-03 04:05 UTC |" in last)
     assert "under vLLM's RocmPlatform emulated on CPU (gfx942), where the ROCm-only" in last
     assert "- Describe vLLM." in last  # no notes file: the title is the claim
@@ -241,6 +241,29 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
     assert "did not test this patch's tree" in result.stderr
     assert "(patch 2, 3, 4, 5, 6)" in result.stderr
 
+
+
+def test_automated_checks_are_one_line_per_row_and_platform(series):
+    """A row runs dozens of commands (a prefix row: every earlier patch's test
+    files and the linters); PR.md sums them per row and platform, so that the
+    description stays readable, and names the vLLM test files once."""
+    _write_summary(series)
+    layout = Layout(series.root)
+    summary_path = layout.build_dir / "test-results" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    (stack,) = [r for r in summary["rows"] if r["name"] == "stack"]
+    part = stack["parts"][0]
+    stack["parts"] = [{**part, "command": part["command"].replace("test_foo", f"test_{i}")}
+                      for i in range(30)]
+    summary_path.write_text(json.dumps(summary))
+
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    last = (folder(series, 7) / "PR.md").read_text()
+    assert "| stack | vLLM tree | CPU | 30 | 150 | 0 | 60 | 2026-02-03 04:05 UTC |" in last
+    assert sum(ln.startswith("| stack") for ln in last.splitlines()) == 2  # and ROCm
+    assert "vLLM test files run: `tests/test_0.py`, " in last
+    assert "and 19 more." in last
 
 def test_cover_lists_the_order_and_which_patches_can_go_first(series):
     result = export(series)
