@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     gpubench.add_argument("--source", type=Path, default=None,
                           help="vLLM git repository to read (default: build/vllm)")
     gpubench.add_argument("--rev", action="append", default=[], metavar="LABEL=REV",
-                          help="one more tree to time, e.g. older=HEAD~1")
+                          help="one more tree to time: a revision of build/vllm "
+                          "(older=HEAD~1) or else a project commit, its patches/ stack "
+                          "applied to the release as for --before (landed=4dd980a)")
     gpubench.add_argument("--before", default="auto", metavar="REV|auto|none",
                           help="the tree 'before': the stack at this project commit; auto "
                           "(default): the previous landed revision of the timed files")

@@ -4,7 +4,9 @@ Builds build/gpubench/, a small self-contained package: the runner
 (benchmarks/gpu/: plain Python, torch and Triton) plus, for each vLLM tree
 (`pristine` = the release tag, `patched` = HEAD of build/vllm, and any
 `--rev LABEL=REV`), the files the cases call and the vllm modules they import,
-read with `git show`. vllm.triton_utils and vllm.platforms become stand-ins
+read with `git show`. REV is a revision of build/vllm or, where it names none
+there, a commit of this project, whose patches/ stack is applied to the
+release the way `before`'s is (below). vllm.triton_utils and vllm.platforms become stand-ins
 (and so do the tensor-parallel and batch-sharding modules that the draft
 logits cache imports; STANDINS), so the package runs on a GPU machine without
 vLLM (e.g. an image with an older torch), as `python3 build/gpubench/run.py`.
@@ -15,8 +17,8 @@ the cases time. A kernel can beat the release and still be slower than its own
 last revision, so each run compares with both. It is the stack of the newest
 commit of this project (`git log -- patches/`) whose series gives those files
 other contents than `patched`, applied to the release in a scratch index with
-its own object folder (build/vllm is only read); `--before REV` names the
-project commit instead, `--before none` leaves it out.
+its own object folder (build/vllm is only read; ProjectStacks); `--before
+REV` names the project commit instead, `--before none` leaves it out.
 
 A case may also name files that are no vLLM Python: CSRC, files of the
 release's csrc/ (read from the `pristine` tree into csrc/ of the package), and
@@ -38,12 +40,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from scripts.common import Layout, StackError, rel, say
 from scripts.stack.gitrepo import git
-from scripts.stack.pin import load_pin
+from scripts.stack.pin import Pin, load_pin
 from scripts.stack.series import apply_to_index, read_series
 
 RUNNER_FILES = ("run.py", "stats.py", "timing.py")
@@ -196,13 +199,15 @@ def gpubench(layout: Layout, cases: list[str] | None, package: Path | None,
     source = source or layout.tree
     package = package or layout.gpubench_package
     runner = layout.gpu_benchmarks
-    trees = resolve_trees(source, load_pin(layout.pin_file).base_tag, revs)
+    pin = load_pin(layout.pin_file)
     names = cases or available_cases(runner)
     with tempfile.TemporaryDirectory(prefix="k3-gpubench-objects-") as objects:
+        stacks = ProjectStacks(layout.root, source, pin, Path(objects))
+        trees = resolve_trees(source, pin.base_tag, revs, stacks)
         files = sorted({f for name in names for f in case_files(runner, name)})
         if before != "none" and files and all(t.label != BEFORE for t in trees):
-            found = landed_before(layout, source, trees, files, Path(objects),
-                                  None if before == "auto" else before)
+            found = (landed_before(stacks, trees, files) if before == "auto"
+                     else _named_before(stacks, before, trees[0]))
             trees[1:1] = [found] if found else []
         build_package(runner, source, trees, names, package)
     size = sum(p.stat().st_size for p in package.rglob("*") if p.is_file())
@@ -224,90 +229,176 @@ def available_cases(runner: Path) -> list[str]:
     return sorted(p.stem for p in (runner / "cases").glob("*.py"))
 
 
-def resolve_trees(source: Path, base_tag: str, revs: list[str]) -> list[TreeSpec]:
-    """pristine = the release tag, patched = HEAD, then each LABEL=REV."""
+class NoStack(Exception):
+    """Why a project commit's stack gives no tree on the release."""
+
+
+@dataclass(frozen=True)
+class ProjectStacks:
+    """The patches/ stacks of this project's commits, applied to the release
+    of `source` in a scratch index whose objects go to `objects`: build/vllm
+    is only read. Trees built here are read with `env`."""
+
+    project: Path
+    source: Path
+    pin: Pin
+    objects: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"GIT_OBJECT_DIRECTORY": str(self.objects),
+                "GIT_ALTERNATE_OBJECT_DIRECTORIES":
+                    str((self.source / ".git" / "objects").resolve())}
+
+    def has_history(self) -> bool:
+        return git(self.project, "rev-parse", "--git-dir", check=False).returncode == 0
+
+    def commit(self, rev: str) -> str | None:
+        """The project commit `rev` names; None where there is none (or no
+        git checkout)."""
+        found = git(self.project, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}",
+                    check=False)
+        return found.stdout.strip() if found.returncode == 0 else None
+
+    def tree(self, commit: str, base: str) -> str:
+        """The tree of the stack at `commit` applied to `base`; NoStack says
+        why there is none."""
+        with tempfile.TemporaryDirectory(prefix="k3-gpubench-patches-") as scratch:
+            folder = Path(scratch) / "patches"
+            folder.mkdir()
+            # The series and the patch files: the blobs of patches/ itself.
+            for line in git(self.project, "ls-tree", commit, "patches/").stdout.splitlines():
+                meta, _, path = line.partition("\t")
+                if meta.split()[1] == "blob":
+                    data = git(self.project, "show", f"{commit}:{path}", text=False).stdout
+                    (folder / PurePosixPath(path).name).write_bytes(data)
+            try:
+                patches = read_series(Layout(Path(scratch)))
+            except StackError as e:
+                raise NoStack(f"its patches/ cannot be read ({e})")
+            applied = apply_to_index(self.source, base, patches, self.env)
+        if applied.tree is None:
+            raise NoStack(f"its stack does not apply to the pinned release "
+                          f"({applied.stopped_at} does not)")
+        return applied.tree
+
+    def pinned_version(self, commit: str) -> str | None:
+        """The vLLM version pin.toml named at `commit`, if it can be read."""
+        shown = git(self.project, "show", f"{commit}:pin.toml", check=False)
+        try:
+            return str(tomllib.loads(shown.stdout)["vllm"]["version"])
+        except (tomllib.TOMLDecodeError, KeyError, TypeError):
+            return None
+
+
+def resolve_trees(source: Path, base_tag: str, revs: list[str],
+                  stacks: ProjectStacks) -> list[TreeSpec]:
+    """pristine = the release tag, patched = HEAD, then each LABEL=REV: a
+    revision of `source`, else a project commit's stack on the release."""
     if not (source / ".git").exists():
         raise StackError(f"{source} is not a git repository of vLLM: run `make apply` "
                          "first, or name one with --source")
-    wanted = [(BASELINE, base_tag), ("patched", "HEAD")]
-    for item in revs:
-        label, sep, rev = item.partition("=")
-        if not sep or not label or not rev or not label.replace("-", "_").isidentifier():
-            raise StackError(f"--rev {item!r}: expected LABEL=REV, e.g. before=HEAD~1")
-        wanted.append((label, rev))
+    wanted = [(BASELINE, base_tag), ("patched", "HEAD")] + [_label_and_rev(r) for r in revs]
     labels = [label for label, _ in wanted]
     if len(set(labels)) != len(labels):
         raise StackError(f"--rev: tree labels must differ from each other and from "
                          f"{BASELINE!r} and 'patched': {', '.join(labels)}")
     trees = []
-    for label, rev in wanted:
-        result = git(source, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}",
-                     check=False)
-        if result.returncode != 0:
+    for label, rev in wanted[:2]:
+        if (tree := _source_tree(source, label, rev)) is None:
             raise StackError(f"{source}: no commit {rev!r} for tree {label!r}; "
                              "name an existing revision")
-        trees.append(TreeSpec(label, rev, result.stdout.strip()))
+        trees.append(tree)
+    for label, rev in wanted[2:]:
+        trees.append(_source_tree(source, label, rev)
+                     or _project_tree(stacks, label, rev, trees[0], f"--rev {label}={rev}"))
     return trees
 
 
-def landed_before(layout: Layout, source: Path, trees: list[TreeSpec], files: list[str],
-                  objects: Path, wanted: str | None) -> TreeSpec | None:
-    """The tree `before`: the newest landed stack (or the project commit
-    `wanted`) whose `files` differ from the patched tree's; None when the
-    project has no history here or no such revision."""
-    project = layout.root
-    if git(project, "rev-parse", "--git-dir", check=False).returncode != 0:
-        say(f"no tree {BEFORE!r}: {project} is not a git checkout, so the previous "
+def _label_and_rev(item: str) -> tuple[str, str]:
+    label, sep, rev = item.partition("=")
+    if (not sep or not label or not rev or rev.startswith("-")
+            or not label.replace("-", "_").isidentifier()):
+        raise StackError(f"--rev {item!r}: expected LABEL=REV, e.g. before=HEAD~1")
+    return label, rev
+
+
+def _source_tree(source: Path, label: str, rev: str) -> TreeSpec | None:
+    """The tree `label` at revision `rev` of the vLLM repository, if it has one."""
+    result = git(source, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", check=False)
+    return TreeSpec(label, rev, result.stdout.strip()) if result.returncode == 0 else None
+
+
+def _project_tree(stacks: ProjectStacks, label: str, rev: str, pristine: TreeSpec,
+                  option: str) -> TreeSpec:
+    """The tree `label`: the stack of project commit `rev` on the release."""
+    commit = stacks.commit(rev)
+    if commit is None:
+        history = ("this project's history" if stacks.has_history()
+                   else f"this project's history ({stacks.project} is no git checkout)")
+        raise StackError(f"{option}: no commit {rev!r} for tree {label!r} in "
+                         f"{rel(stacks.source)} (a vLLM revision) nor in {history} (a "
+                         "project commit, its stack applied to the release); name one of "
+                         "either")
+    try:
+        tree = stacks.tree(commit, pristine.commit)
+    except NoStack as e:
+        raise StackError(f"{option}: project commit {commit[:9]}: {e}; "
+                         + _older_stack_hint(stacks, commit, label))
+    return TreeSpec(label, f"project {commit[:9]}", tree, tuple(stacks.env.items()))
+
+
+def _older_stack_hint(stacks: ProjectStacks, commit: str, label: str) -> str:
+    """The next step where a project commit's stack does not apply: mostly it
+    is an older release's, which `make rebase` kept as a branch."""
+    version = stacks.pinned_version(commit)
+    if version is None or version == stacks.pin.version:
+        return "fix the stack at that commit, or name a revision of build/vllm that holds it"
+    branch = f"stack-{version}"
+    kept = git(stacks.source, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}",
+               check=False).returncode == 0
+    return (f"it is vLLM {version}'s stack, the pin is {stacks.pin.version}: `make rebase` "
+            "keeps the previous release's stack in build/vllm as branch stack-<old version>; "
+            + (f"pass --rev {label}={branch}" if kept else
+               f"{rel(stacks.source)} has no branch {branch} (no rebase from {version} ran "
+               f"there): run gpubench in a checkout of project commit {commit[:9]} after "
+               "`make apply` there, or name a revision of build/vllm"))
+
+
+def _named_before(stacks: ProjectStacks, before: str, pristine: TreeSpec) -> TreeSpec:
+    """The tree `before` of `--before REV`: that project commit's stack."""
+    if stacks.commit(before) is None:
+        raise StackError(f"--before {before!r}: no such commit of this project; "
+                         "name one from `git log -- patches/`, or pass --before none")
+    return _project_tree(stacks, BEFORE, before, pristine, f"--before {before}")
+
+
+def landed_before(stacks: ProjectStacks, trees: list[TreeSpec],
+                  files: list[str]) -> TreeSpec | None:
+    """The tree `before`: the newest landed stack whose `files` differ from the
+    patched tree's; None when the project has no history here or no such
+    revision."""
+    if not stacks.has_history():
+        say(f"no tree {BEFORE!r}: {stacks.project} is not a git checkout, so the previous "
             "revision of the timed files is unknown (pass --rev before=REV of build/vllm)")
         return None
-    if wanted is not None:
-        found = git(project, "rev-parse", "--verify", "--quiet", f"{wanted}^{{commit}}",
-                    check=False)
-        if found.returncode != 0:
-            raise StackError(f"--before {wanted!r}: no such commit of this project; "
-                             "name one from `git log -- patches/`, or pass --before none")
-        commits = [found.stdout.strip()]
-    else:
-        commits = git(project, "log", f"-{BEFORE_HISTORY}", "--format=%H", "HEAD",
-                      "--", "patches/").stdout.split()
-    env = {"GIT_OBJECT_DIRECTORY": str(objects),
-           "GIT_ALTERNATE_OBJECT_DIRECTORIES": str((source / ".git" / "objects").resolve())}
+    commits = git(stacks.project, "log", f"-{BEFORE_HISTORY}", "--format=%H", "HEAD",
+                  "--", "patches/").stdout.split()
+    source = stacks.source
     pristine, patched = trees[0], next(t for t in trees if t.label == "patched")
     current = _timed_sources(source, patched, files)
     for commit in commits:
-        tree = _stack_at(project, commit, source, pristine.commit, env)
-        if tree is None:
+        try:
+            tree = stacks.tree(commit, pristine.commit)
+        except NoStack as e:
+            say(f"project commit {commit[:9]}: {e}; skipped")
             continue
-        candidate = TreeSpec(BEFORE, f"project {commit[:9]}", tree, tuple(env.items()))
-        if wanted or _timed_sources(source, candidate, files) != current:
+        candidate = TreeSpec(BEFORE, f"project {commit[:9]}", tree, tuple(stacks.env.items()))
+        if _timed_sources(source, candidate, files) != current:
             return candidate
     say(f"no tree {BEFORE!r}: none of the last {len(commits)} project commits that changed "
         f"patches/ has other sources for {', '.join(files)} and what they import")
     return None
-
-
-def _stack_at(project: Path, commit: str, source: Path, base: str,
-              env: dict[str, str]) -> str | None:
-    """The tree of the project's stack at `commit` applied to `base`, or None
-    (said) where it does not apply."""
-    with tempfile.TemporaryDirectory(prefix="k3-gpubench-patches-") as scratch:
-        folder = Path(scratch) / "patches"
-        folder.mkdir()
-        # The series and the patch files: the blobs of patches/ itself.
-        for line in git(project, "ls-tree", commit, "patches/").stdout.splitlines():
-            meta, _, path = line.partition("\t")
-            if meta.split()[1] == "blob":
-                data = git(project, "show", f"{commit}:{path}", text=False).stdout
-                (folder / PurePosixPath(path).name).write_bytes(data)
-        try:
-            patches = read_series(Layout(Path(scratch)))
-        except StackError as e:
-            say(f"project commit {commit[:9]}: its patches/ cannot be read ({e}); skipped")
-            return None
-        applied = apply_to_index(source, base, patches, env)
-    if applied.tree is None:
-        say(f"project commit {commit[:9]}: its stack does not apply to the release; skipped")
-    return applied.tree
 
 
 def _timed_sources(source: Path, tree: TreeSpec, files: list[str]) -> dict[str, str]:

@@ -188,6 +188,7 @@ class IndexApply:
 
     tree: str | None = None  # the resulting tree, when every patch applied
     failure: str | None = None  # why the first patch that does not apply fails
+    stopped_at: str | None = None  # the name of that patch
     special: list[str] = field(default_factory=list)  # symlinks, submodules made
 
 
@@ -211,6 +212,7 @@ def apply_to_index(repo: Path, base: str, patches: list[Patch],
             applied = git(repo, "apply", "--cached", "--whitespace=nowarn",
                           str(p.path.resolve()), env=env, check=False)
             if applied.returncode != 0:
+                result.stopped_at = p.name
                 result.failure = (f"{p.name} does not apply strictly to {base} after the "
                                   f"patches before it:\n{applied.stderr.strip()}")
                 return result

@@ -208,6 +208,69 @@ def test_before_is_the_previous_landed_revision_of_the_timed_files(bench_project
     assert "--before 'nope': no such commit of this project" in result.stderr
 
 
+def test_rev_takes_a_project_commit_and_builds_its_stack_as_before_does(bench_project):
+    """`--rev LABEL=REV` names a revision of build/vllm or, where there is none,
+    a project commit: its patches/ stack applied to the release, as `--before`
+    builds it (build/vllm is only read)."""
+    root = bench_project.root
+    bench_project.git("init", "-q", cwd=root)
+    first = _land(bench_project, "Stack: shift by 32")
+    bench_project.commit("[Kernel] Shift by 64", {"vllm/kernels/helpers.py": "BLOCK = 64\n"})
+    _land(bench_project, "Stack: shift by 64")
+    package = package_of(bench_project)
+    objects = bench_project.git("count-objects")
+
+    result = build(bench_project, "--before", "none", "--rev", f"landed={first[:7]}")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((package / "trees.json").read_text())
+    assert [(t["label"], t["rev"]) for t in manifest["trees"]] == [
+        ("pristine", f"vllm-{V1}"), ("patched", "HEAD"), ("landed", f"project {first[:9]}")]
+    assert (_helpers(package, "landed"), _helpers(package, "patched")) == (
+        "BLOCK = 32\n", "BLOCK = 64\n")
+    assert bench_project.git("count-objects") == objects
+    # A revision of build/vllm comes first (HEAD~1 names a commit in both).
+    assert build(bench_project, "--before", "none", "--rev", "older=HEAD~1").returncode == 0
+    manifest = json.loads((package / "trees.json").read_text())
+    assert manifest["trees"][2] == {"label": "older", "rev": "HEAD~1",
+                                    "commit": bench_project.git("rev-parse", "HEAD~1")}
+
+
+def test_a_project_commit_whose_stack_is_an_older_releases_names_the_branch_to_pass(
+        bench_project):
+    """Say BENCHMARKS.md's `--rev landed=4dd980a`: that commit's stack is on
+    the previous release and does not apply to the pinned one; `make rebase`
+    kept it in build/vllm as branch stack-<old version>."""
+    root = bench_project.root
+    bench_project.git("init", "-q", cwd=root)
+    first = _land(bench_project, "Stack: shift by 32")
+    patch = next(bench_project.patches.glob("*.patch"))
+    pin = root / "pin.toml"
+    patch.write_text(patch.read_text().replace("-BLOCK = 16", "-BLOCK = 8"))
+    pin.write_text(pin.read_text().replace(f'version = "{V1}"', 'version = "0.0.9"'))
+    bench_project.git("commit", "-q", "-am", "Stack on 0.0.9", cwd=root)
+    older = bench_project.git("rev-parse", "HEAD", cwd=root)
+    bench_project.git("checkout", "-q", first, "--", "pin.toml", "patches", cwd=root)
+    bench_project.git("commit", "-q", "-m", f"Move to {V1}", cwd=root)
+
+    result = build(bench_project, "--before", "none", "--rev", f"landed={older[:7]}")
+    assert result.returncode == 1
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+    assert (f"--rev landed={older[:7]}: project commit {older[:9]}: its stack does not apply "
+            f"to the pinned release ({patch.name} does not); it is vLLM 0.0.9's stack, the "
+            f"pin is {V1}: `make rebase` keeps the previous release's stack in build/vllm as "
+            "branch stack-<old version>; build/vllm has no branch stack-0.0.9 (no rebase from "
+            f"0.0.9 ran there): run gpubench in a checkout of project commit {older[:9]} after "
+            "`make apply` there, or name a revision of build/vllm") in result.stderr
+    assert not package_of(bench_project).exists()
+    bench_project.git("branch", "stack-0.0.9", f"vllm-{V1}")  # as `make rebase` leaves it
+    result = build(bench_project, "--before", older[:7])  # --before builds it the same way
+    assert result.returncode == 1
+    assert (f"--before {older[:7]}: project commit {older[:9]}: its stack does not apply"
+            in result.stderr)
+    assert result.stderr.rstrip().endswith("; pass --rev before=stack-0.0.9")
+    assert build(bench_project, "--rev", "before=stack-0.0.9").returncode == 0
+
+
 def test_without_history_there_is_no_before_tree_and_it_says_why(bench_project):
     result = build(bench_project)
     assert result.returncode == 0, result.stderr
@@ -269,7 +332,9 @@ def test_what_the_package_cannot_hold_is_one_line_and_keeps_the_old_package(
                          "(cases: add)"),
     (["--rev", "before"], "--rev 'before': expected LABEL=REV, e.g. before=HEAD~1"),
     (["--rev", "patched=HEAD~1"], "tree labels must differ"),
-    (["--rev", "old=v9"], "no commit 'v9' for tree 'old'"),
+    # Looked for in both places a REV may name: build/vllm and the project.
+    (["--rev", "old=v9"], "--rev old=v9: no commit 'v9' for tree 'old' in build/vllm (a vLLM "
+                          "revision) nor in this project's history ("),
 ], ids=["case", "rev-syntax", "rev-label", "rev-missing"])
 def test_bad_arguments_name_the_next_step(bench_project, args, message):
     result = build(bench_project, *args)
