@@ -6,7 +6,9 @@ It proves, without touching build/vllm's branch or work tree, that
   touches only safe paths outside the kernel sources,
 - the series applies strictly to the pristine release and creates only
   regular files (no symlink or submodule, as git reads the patch), and
-- vllm_overlay/ equals what the stack produces.
+- vllm_overlay/ equals what the stack produces, and
+- README.md's stack table and the patch numbers in README.md and docs/ agree
+  with the series (scripts/stack/numbering.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from scripts.common import Layout, StackError, discard, rel, say, warn
 from scripts.stack import overlay
 from scripts.stack.apply import unexported_commits
 from scripts.stack.gitrepo import DamagedRepo, create_base, dirty_files, is_stack_repo, read_state
+from scripts.stack.numbering import numbering_problems
 from scripts.stack.pin import Pin, load_pin
 from scripts.stack.series import (
     Patch,
@@ -44,6 +47,8 @@ def check(layout: Layout) -> int:
             problems.append(str(e))
     if not problems:
         problems += _stack_problems(layout, pin, patches)
+    # Prose only: said whatever the patches are, and blocks no other check.
+    problems += numbering_problems(layout, patches)
     for msg in problems:
         say(f"FAIL {msg}")
     if note := _unchecked_work(layout):
