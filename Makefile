@@ -38,6 +38,7 @@ help:
 	@echo "make rebase VLLM_VERSION=x.y.z   move the stack to another vLLM release"
 	@echo "make rebase-abandon  give up a rebase that stopped (its work kept as a branch)"
 	@echo "make drift [VLLM_VERSION=x.y.z]  try the stack on the newest release (changes nothing)"
+	@echo "make overlay    regenerate vllm_overlay/ from build/vllm (make apply does it too)"
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make bench      time apply/check/patches against their goals (prints figures)"
 	@echo "make gpubench   time the stack's GPU kernels against the release (needs a GPU to run)"

@@ -79,6 +79,10 @@ ROCM_LIST = "tests/vllm_regression_rocm.txt"
 VERIFICATION = "tests/verification"
 # Run in each prefix row too, with that prefix on PYTHONPATH.
 PREFIX_BUDGET = f"{VERIFICATION}/test_kernel_budget_of_each_prefix.py"
+# Tooling tests that read README.md, which is in no key (prose): each is a
+# unit of its own keyed by it, so that a README edit reruns them, not the
+# whole tooling suite.
+README_TESTS = ("tests/tooling/test_code_map.py",)
 ROCM_PLUGIN = ("-p", "rocm_emulation.plugin")
 JOBS_ENV = "K3_TEST_JOBS"
 LOG_TAIL = 40  # lines of a failing command's output shown as it fails
@@ -240,12 +244,17 @@ def test_rows(layout: Layout, base: str, prefixes: PrefixTrees,
     stack_tests = stack_test_files(layout.tree, base)
     regression = _regression_groups(layout, stack_tests)
     root = [layout.root]
+    readme_tests = [f for f in README_TESTS if (layout.root / f).is_file()]
     rows = [
         # The tooling tests build fake releases of their own; they never read build/vllm.
         # test_runbook compares docs/runbook-example with what the runbook writes.
         Row("tooling", None, [_pytest_job(layout, "tooling", "tooling", "tests/tooling",
-                                          ["tests/tooling"], layout.root, root, tree=None,
-                                          inputs=("docs/runbook-example",))]),
+                                          ["tests/tooling",
+                                           *(f"--ignore={f}" for f in readme_tests)],
+                                          layout.root, root, tree=None,
+                                          inputs=("docs/runbook-example",))]
+            + [_pytest_job(layout, "tooling", "tooling", f, [f], layout.root, root, tree=None,
+                           inputs=("README.md",)) for f in readme_tests]),
         Row("lint", tree, [_lint_job(layout, "lint", base, layout.tree, tree)]),
         # hadolint reads only the project's recipes (part of every key).
         Row("recipes", None, [Job("recipes", "hadolint docker/Dockerfile*", "recipes",

@@ -161,7 +161,8 @@ def _ran(project) -> set[tuple[str, str]]:
     lines = log.read_text().splitlines() if log.exists() else []
     log.unlink(missing_ok=True)
     rows = {testrun._slug(name): name for name in ROWS}
-    titles = {testrun._slug(title): title for _, title in ALL}
+    titles = {testrun._slug(title): title
+              for _, title in ALL | {("tooling", t) for t in testrun.README_TESTS}}
     where = {"build/vllm": "lint", **{f"build/prefix-trees/{k}": f"prefix {k}/3"
                                       for k in (1, 2)}}
     ran = set()
@@ -302,6 +303,21 @@ def test_prose_and_the_exported_patches_are_no_inputs(suites):
     (suites.patches / "notes" / "x.md").write_text("## Rationale\n")
     assert _test(suites) == 0
     assert _ran(suites) == set()
+
+
+def test_a_tooling_test_that_reads_the_readme_is_a_unit_keyed_by_it(suites):
+    """README.md is prose, but the code map test compares it with `make help`:
+    that test is a unit of its own, which a README edit reruns alone."""
+    code_map = testrun.README_TESTS[0]
+    (suites.root / code_map).write_text("def test_map():\n    pass\n")
+    assert _test(suites) == 0
+    assert ("tooling", code_map) in _ran(suites)  # a new project file: every key changed
+    commands = {p["title"]: p["command"] for p in _parts(suites).values()
+                if p["title"].startswith("tests/tooling")}
+    assert commands["tests/tooling"].endswith(f"tests/tooling --ignore={code_map}")
+    (suites.root / "README.md").write_text("# fake, reworded\n")
+    assert _test(suites) == 0
+    assert _ran(suites) == {("tooling", code_map)}
 
 
 def test_the_runbook_example_is_an_input_of_the_tooling_row_only(suites):
