@@ -5,7 +5,7 @@ one pytest process of one test file) has a key: a sha256 over everything
 that decides its outcome. Part of it is the same for every command and
 cannot be left out:
 - the project's files, except those made from build/vllm (patches/,
-  vllm_overlay/) and prose (README.md, docs/): so scripts/, tests/,
+  vllm_overlay/) and prose (README.md, BENCHMARKS.md, docs/): so scripts/, tests/,
   requirements/*.lock, pin.toml (hence the wheel's kernels), pytest.ini;
 - the pristine release's git tree id and commit, the two venvs (pyvenv.cfg,
   the build stamp recording the installed lock and tree, and the name, size
@@ -62,7 +62,8 @@ FORMAT = 2
 RESULTS = "test-results"
 # Made from build/vllm (keyed by its tree id instead) or prose no test reads.
 # A row that does read one of them lists it in Row.inputs.
-NOT_PROJECT_INPUTS = frozenset({"patches", "vllm_overlay", "docs", "README.md"})
+NOT_PROJECT_INPUTS = frozenset({"patches", "vllm_overlay", "docs", "README.md",
+                                "BENCHMARKS.md"})
 # Never inputs: outputs, caches and the environments (keyed by their stamps).
 # (.k3-stack.running: the project lock's note, git-ignored in a checkout.)
 _NEVER = frozenset({"build", ".cache", ".venv", ".venv-lint", ".git", "__pycache__",

@@ -6,7 +6,7 @@ Python process of the run, subprocesses and forks included, appends to the
 unit's log what it opens, lists and stats under the tree, which module
 names it looks up in the tree's folders, and anything that could read the
 tree unseen. That is the unit's `Reads`. The project's files that are in no
-key (testcache.NOT_PROJECT_INPUTS: README.md, docs/, and patches/ and
+key (testcache.NOT_PROJECT_INPUTS: README.md, BENCHMARKS.md, docs/, and patches/ and
 vllm_overlay/, which are the tree exported) are tracked the same way.
 
 A unit's outcome is a function of what it reads, given what every key holds

@@ -79,10 +79,10 @@ ROCM_LIST = "tests/vllm_regression_rocm.txt"
 VERIFICATION = "tests/verification"
 # Run in each prefix row too, with that prefix on PYTHONPATH.
 PREFIX_BUDGET = f"{VERIFICATION}/test_kernel_budget_of_each_prefix.py"
-# Tooling tests that read README.md, which is in no key (prose): each is a
-# unit of its own keyed by it, so that a README edit reruns them, not the
-# whole tooling suite.
-README_TESTS = ("tests/tooling/test_code_map.py",)
+# Tooling tests that read prose, which is in no key (README.md, docs/), and
+# the prose each reads: each is a unit of its own keyed by those files, so
+# that an edit of them reruns it, not the whole tooling suite.
+PROSE_TESTS = {"tests/tooling/test_code_map.py": ("docs/code-map.md",)}
 ROCM_PLUGIN = ("-p", "rocm_emulation.plugin")
 JOBS_ENV = "K3_TEST_JOBS"
 LOG_TAIL = 40  # lines of a failing command's output shown as it fails
@@ -244,17 +244,17 @@ def test_rows(layout: Layout, base: str, prefixes: PrefixTrees,
     stack_tests = stack_test_files(layout.tree, base)
     regression = _regression_groups(layout, stack_tests)
     root = [layout.root]
-    readme_tests = [f for f in README_TESTS if (layout.root / f).is_file()]
+    prose_tests = {f: prose for f, prose in PROSE_TESTS.items() if (layout.root / f).is_file()}
     rows = [
         # The tooling tests build fake releases of their own; they never read build/vllm.
         # test_runbook compares docs/runbook-example with what the runbook writes.
         Row("tooling", None, [_pytest_job(layout, "tooling", "tooling", "tests/tooling",
                                           ["tests/tooling",
-                                           *(f"--ignore={f}" for f in readme_tests)],
+                                           *(f"--ignore={f}" for f in prose_tests)],
                                           layout.root, root, tree=None,
                                           inputs=("docs/runbook-example",))]
             + [_pytest_job(layout, "tooling", "tooling", f, [f], layout.root, root, tree=None,
-                           inputs=("README.md",)) for f in readme_tests]),
+                           inputs=prose) for f, prose in prose_tests.items()]),
         Row("lint", tree, [_lint_job(layout, "lint", base, layout.tree, tree)]),
         # hadolint reads only the project's recipes (part of every key).
         Row("recipes", None, [Job("recipes", "hadolint docker/Dockerfile*", "recipes",

@@ -1,9 +1,9 @@
-"""`make help` lists the same commands as README.md's code map.
+"""`make help` lists the same commands as the code map (docs/code-map.md).
 
 Both are where a newcomer looks for what the project can do; a target added
-to one is easily forgotten in the other. This test reads the real README, so
-`make test` runs it as a unit of its own keyed by README.md
-(scripts/testing/testrun.py README_TESTS).
+to one is easily forgotten in the other. This test reads the real page, so
+`make test` runs it as a unit of its own keyed by it
+(scripts/testing/testrun.py PROSE_TESTS).
 """
 
 from __future__ import annotations
@@ -47,20 +47,20 @@ def code_map_commands(readme: str) -> set[str]:
 def mismatches(help_text: str, readme: str) -> list[str]:
     """One line per command that is in one of the two and not in the other."""
     listed, mapped = help_commands(help_text), code_map_commands(readme)
-    return ([f"make {c}: in README.md's code map, not in `make help`"
+    return ([f"make {c}: in the code map, not in `make help`"
              for c in sorted(mapped - listed)]
-            + [f"make {c}: in `make help`, not in README.md's code map"
+            + [f"make {c}: in `make help`, not in the code map"
                for c in sorted(listed - mapped)])
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
-def test_make_help_lists_the_commands_of_the_readmes_code_map():
+def test_make_help_lists_the_commands_of_the_code_map():
     result = subprocess.run(["make", "-s", "-C", str(REPO), f"PYTHON={PYTHON}", "help"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    readme = (REPO / "README.md").read_text()
-    assert len(code_map_commands(readme)) > 10  # the table was found
-    assert mismatches(result.stdout, readme) == []
+    code_map = (REPO / "docs" / "code-map.md").read_text()
+    assert len(code_map_commands(code_map)) > 10  # the table was found
+    assert mismatches(result.stdout, code_map) == []
 
 
 HELP = """\
@@ -93,8 +93,8 @@ def test_a_command_in_one_list_only_is_named():
     assert help_commands(HELP) == {"apply", "drift", "build", "lock", "fetch"}
     assert code_map_commands(README) == {"apply", "drift", "build", "lock"}
     assert mismatches(HELP, README) == [
-        "make fetch: in `make help`, not in README.md's code map"]
+        "make fetch: in `make help`, not in the code map"]
     assert mismatches(HELP.replace("make drift", "make dirt"), README) == [
-        "make drift: in README.md's code map, not in `make help`",
-        "make dirt: in `make help`, not in README.md's code map",
-        "make fetch: in `make help`, not in README.md's code map"]
+        "make drift: in the code map, not in `make help`",
+        "make dirt: in `make help`, not in the code map",
+        "make fetch: in `make help`, not in the code map"]

@@ -138,15 +138,22 @@ def trailers(project, repo: Path, rev: str, key: str) -> list[str]:
     return [line for line in out.splitlines() if line]
 
 
+def _release_clone(series, tmp_path):
+    """A clone of build/vllm checked out at the release: where `git am` of the
+    exported patches, in order, must reproduce the stack."""
+    upstream = tmp_path / "upstream"
+    series.git("clone", "-q", str(series.tree), str(upstream), cwd=tmp_path)
+    series.git("checkout", "-q", "--detach", BASE, cwd=upstream)
+    return upstream
+
+
 def test_resigned_patches_apply_in_order_on_the_release_with_only_the_new_signoff(
         series, tmp_path):
     patches_before = snapshot(series.patches)
     result = export(series)
     assert result.returncode == 0, result.stderr
     assert snapshot(series.patches) == patches_before
-    upstream = tmp_path / "upstream"
-    series.git("clone", "-q", str(series.tree), str(upstream), cwd=tmp_path)
-    series.git("checkout", "-q", "--detach", BASE, cwd=upstream)
+    upstream = _release_clone(series, tmp_path)
     for k in range(1, len(PATCHES) + 1):
         patch = folder(series, k) / f"{STEMS[k - 1]}.patch"
         series.git("am", "--keep-non-patch", str(patch), cwd=upstream)
@@ -549,9 +556,7 @@ def test_pr_md_names_its_exported_head_commit_and_tree_not_a_project_commit(seri
     series.ok("patches")
     result = export(series)
     assert result.returncode == 0, result.stderr
-    upstream = tmp_path / "upstream"
-    series.git("clone", "-q", str(series.tree), str(upstream), cwd=tmp_path)
-    series.git("checkout", "-q", "--detach", BASE, cwd=upstream)
+    upstream = _release_clone(series, tmp_path)
     for k in range(1, len(PATCHES) + 1):
         patch = folder(series, k) / f"{STEMS[k - 1]}.patch"
         series.git("am", "--keep-non-patch", str(patch), cwd=upstream)

@@ -162,7 +162,7 @@ def _ran(project) -> set[tuple[str, str]]:
     log.unlink(missing_ok=True)
     rows = {testrun._slug(name): name for name in ROWS}
     titles = {testrun._slug(title): title
-              for _, title in ALL | {("tooling", t) for t in testrun.README_TESTS}}
+              for _, title in ALL | {("tooling", t) for t in testrun.PROSE_TESTS}}
     where = {"build/vllm": "lint", **{f"build/prefix-trees/{k}": f"prefix {k}/3"
                                       for k in (1, 2)}}
     ran = set()
@@ -297,18 +297,23 @@ def test_a_changed_project_test_or_lock_reruns_every_command(suites, path, capsy
 
 
 def test_prose_and_the_exported_patches_are_no_inputs(suites):
-    """patches/ is build/vllm exported (keyed by its tree ids); no test reads README.md."""
+    """patches/ is build/vllm exported (keyed by its tree ids); no test reads
+    README.md or BENCHMARKS.md."""
     (suites.root / "README.md").write_text("# fake, reworded\n")
+    (suites.root / "BENCHMARKS.md").write_text("# figures, measured again\n")
     (suites.patches / "notes").mkdir()
     (suites.patches / "notes" / "x.md").write_text("## Rationale\n")
     assert _test(suites) == 0
     assert _ran(suites) == set()
 
 
-def test_a_tooling_test_that_reads_the_readme_is_a_unit_keyed_by_it(suites):
-    """README.md is prose, but the code map test compares it with `make help`:
-    that test is a unit of its own, which a README edit reruns alone."""
-    code_map = testrun.README_TESTS[0]
+def test_a_tooling_test_that_reads_prose_is_a_unit_keyed_by_it(suites):
+    """docs/ is prose, but the code map test compares docs/code-map.md with
+    `make help`: that test is a unit of its own, which an edit of the page
+    reruns alone (and an edit of other prose does not)."""
+    code_map, (page,) = next(iter(testrun.PROSE_TESTS.items()))
+    (suites.root / page).parent.mkdir(parents=True, exist_ok=True)
+    (suites.root / page).write_text("# the code map\n")
     (suites.root / code_map).write_text("def test_map():\n    pass\n")
     assert _test(suites) == 0
     assert ("tooling", code_map) in _ran(suites)  # a new project file: every key changed
@@ -316,6 +321,9 @@ def test_a_tooling_test_that_reads_the_readme_is_a_unit_keyed_by_it(suites):
                 if p["title"].startswith("tests/tooling")}
     assert commands["tests/tooling"].endswith(f"tests/tooling --ignore={code_map}")
     (suites.root / "README.md").write_text("# fake, reworded\n")
+    assert _test(suites) == 0
+    assert _ran(suites) == set()
+    (suites.root / page).write_text("# the code map, reworded\n")
     assert _test(suites) == 0
     assert _ran(suites) == {("tooling", code_map)}
 
