@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.common import Layout, rel
+from scripts.common import Layout, StackError, read_regular, rel
 from scripts.stack.series import Patch, parse_header
 
 STACK_HEADING = "## The stack"
@@ -88,8 +88,13 @@ def numbering_problems(layout: Layout, patches: list[Patch]) -> list[str]:
 
 
 def _read(page: Path, layout: Layout) -> tuple[str, str | None]:
+    """The page's text, or one line saying why it cannot be read. A FIFO is
+    refused, not waited on; a link is read (the check only reads)."""
+    fix = "make it a plain UTF-8 file so that its patch numbers can be checked"
     try:
-        return page.read_text(encoding="utf-8"), None
+        return read_regular(page, fix, follow_links=True).decode("utf-8"), None
+    except StackError as e:
+        return "", str(e)
     except UnicodeDecodeError as e:
         return "", (f"{rel(page, layout)}: not UTF-8 (byte {e.start}); save it as UTF-8 so "
                     "that its patch numbers can be checked against patches/series")

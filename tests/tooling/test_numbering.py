@@ -7,6 +7,7 @@ their Subject: lines count); the last one runs `check` as a user would.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,13 @@ def test_a_readme_and_docs_that_agree_with_the_series_pass(nine):
     page.write_text(f"## Patch 2: tune the kernel for case two\n\nPatch 9 (`{NAMES[8]}`).\n")
     assert problems(nine) == []
 
+
+
+def test_a_page_that_is_a_fifo_is_named_not_waited_on(nine):
+    """A FIFO under docs/ would block a plain read forever."""
+    os.mkfifo(nine.root / "docs" / "pipe.md")
+    (only,) = problems(nine)
+    assert "docs/pipe.md is a FIFO, not a regular file" in only
 
 def test_two_rows_swapped_fail_naming_both(nine):
     swapped = SUBJECTS[:2] + [SUBJECTS[3], SUBJECTS[2]] + SUBJECTS[4:]
