@@ -90,8 +90,9 @@ MUTATIONS = (
              "    def get_draft_kv_cache_layer_names(self) -> list[str]:\n"
              "        layers = self.model._kv_cache_layers()\n"
              '        return [cl.layer_name.removesuffix(".attn") for cl in layers]\n'),
+    # Patch 2's local (a one-patch change to patch 2, as before the port).
     Mutation("control-rename", "none: a local variable renamed", COMMON,
-             "host_ptrs", "host_addrs", control=True),
+             "grouped_dtypes", "all_layers_grouped", control=True),
 )
 
 
@@ -103,6 +104,7 @@ def mutate(layout: Layout, names: list[str], project: Path | None = None,
                          + ", ".join(m.name for m in MUTATIONS))
     source = (project or layout.root).resolve()
     folder = layout.build_dir / FOLDER
+    _check_each_applies(layout, chosen)
     say(f"mutate: {len(chosen)} mutation(s) of {rel(layout.tree, layout)}, each tested by the "
         f"`make test` of {source}" + (" (FRESH)" if fresh else ""))
     # First the stack as it is: it must pass, and its results are what each
@@ -116,6 +118,18 @@ def mutate(layout: Layout, names: list[str], project: Path | None = None,
     _remove_scratch(folder / "baseline", keep=_kept(folder / "baseline"))
     _write_report(folder, source, baseline, results)
     return _print(results)
+
+
+def _check_each_applies(layout: Layout, chosen: list[Mutation]) -> None:
+    """Refuse, before any run, a mutation whose code no patch has any more: found
+    after the baseline and the other mutations, it would cost their hours."""
+    commits = commits_since(layout.tree, read_state(layout.tree)["base_tag"])
+    for mutation in chosen:
+        if not any(mutation.old in git(layout.tree, "show", f"{commit}:{mutation.path}",
+                                       check=False).stdout for commit in commits):
+            raise StackError(f"mutation {mutation.name}: no patch has {mutation.old.strip()!r} "
+                             f"in {mutation.path}; the stack changed: update "
+                             "scripts/testing/mutate.py")
 
 
 def _one(layout: Layout, source: Path, folder: Path, mutation: Mutation | None,

@@ -96,6 +96,27 @@ def test_a_mutation_the_stack_no_longer_has_is_named(stand_in, tmp_path):
         mutate._mutated_stack(stand_in.layout, clone, gone)
 
 
+def test_a_mutation_the_stack_no_longer_has_stops_the_check_before_any_run(
+        stand_in, monkeypatch):
+    gone = mutate.Mutation("gone", "x", "vllm/models/foo.py", "BLOCK = 128", "BLOCK = 1")
+    monkeypatch.setattr(mutate, "MUTATIONS", (DEFECT, gone))
+    with pytest.raises(StackError, match=r"mutation gone: no patch has 'BLOCK = 128'"):
+        mutate.mutate(stand_in.layout, [], project=stand_in.other)
+    # Refused before the baseline ran: nothing was built or tested.
+    assert not (stand_in.root / "build/mutate/baseline").exists()
+
+
+def test_every_mutation_applies_to_the_stack():
+    """The real MUTATIONS against patches/: each one's code is in some patch."""
+    root = Path(__file__).resolve().parents[2]
+    added = "".join(line[1:] for patch in sorted((root / "patches").glob("*.patch"))
+                    for line in patch.read_text().splitlines(keepends=True)
+                    if line.startswith("+"))
+    for m in mutate.MUTATIONS:
+        first_line = m.old.splitlines()[0]
+        assert first_line in added, f"{m.name}: {first_line!r} is in no patch"
+
+
 def test_the_report_names_what_catches_each_defect_and_checks_the_control(
         stand_in, monkeypatch, capsys):
     monkeypatch.setattr(mutate, "MUTATIONS", (DEFECT, CONTROL))
