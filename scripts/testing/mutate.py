@@ -127,9 +127,12 @@ def _check_each_applies(layout: Layout, chosen: list[Mutation]) -> None:
     for mutation in chosen:
         if not any(mutation.old in git(layout.tree, "show", f"{commit}:{mutation.path}",
                                        check=False).stdout for commit in commits):
-            raise StackError(f"mutation {mutation.name}: no patch has {mutation.old.strip()!r} "
-                             f"in {mutation.path}; the stack changed: update "
-                             "scripts/testing/mutate.py")
+            raise _stale(mutation)
+
+
+def _stale(mutation: Mutation) -> StackError:
+    return StackError(f"mutation {mutation.name}: no patch has {mutation.old.strip()!r} in "
+                      f"{mutation.path}; the stack changed: update scripts/testing/mutate.py")
 
 
 def _one(layout: Layout, source: Path, folder: Path, mutation: Mutation | None,
@@ -244,8 +247,7 @@ def _mutated_stack(layout: Layout, tree: Path, mutation: Mutation | None) -> lis
                           "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date}).stdout.strip()
     (tree / ".git" / "mutate-index").unlink(missing_ok=True)
     if mutation and not changed:
-        raise StackError(f"mutation {mutation.name}: no patch has {mutation.old.strip()!r} in "
-                         f"{mutation.path}; the stack changed: update scripts/testing/mutate.py")
+        raise _stale(mutation)
     git(tree, "checkout", "--quiet", "-B", "stack", parent)
     state_path(tree).write_text(json.dumps({**state, "applied_head": parent}, indent=1))
     return changed
