@@ -6,15 +6,14 @@ The drafter is built the way the engine builds it: ``K3DSparkForCausalLM`` from 
 real ``VllmConfig`` whose speculative config selects TRITON_MLA for the draft,
 with the real wrapper, ``MLAAttention`` and ``TritonMLAImpl``. Doubled are only
 what needs a GPU: the platform's backend and CU queries (a ROCm platform cannot
-be imported without a GPU), the ``_C`` custom ops, the Triton decode kernel and
-the AITER fused decode. The ROCm kernels themselves are checked in
+be imported without a GPU), the ``_C`` custom ops, the Triton q/kv RMSNorm and
+decode kernels and the AITER fused decode. The ROCm kernels themselves are checked in
 ``tests/models/kimi_k3/test_amd_dspark_mla.py``.
 """
 
 import json
 import math
 import sys
-import types
 
 import pytest
 import torch
@@ -33,7 +32,6 @@ from vllm.distributed import (
     destroy_model_parallel,
     init_distributed_environment,
     initialize_model_parallel,
-    parallel_state,
 )
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention.mla_attention import (
@@ -44,6 +42,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.models.kimi_k3.amd import dspark_mla as amd_dspark_mla
+from vllm.models.kimi_k3.amd import mla as amd_mla
 from vllm.models.kimi_k3.amd.dspark_mla import K3DSparkForCausalLM
 from vllm.models.kimi_k3.amd.linear import KimiMLP
 from vllm.models.kimi_k3.amd.mla import (
@@ -134,14 +133,16 @@ def tp1_cpu(tmp_path):
 
 
 class RecordingOps:
-    """The ``_C`` ops the drafter and MLAAttention launch, recorded.
-    ``rotary_embedding`` negates query and key in place, so a test can tell
-    whether the attention receives what the launch wrote."""
+    """The GPU kernels the drafter and MLAAttention launch, recorded. The two
+    RoPE kernels negate q_pe and k_pe in place, so a test can tell whether
+    the attention receives what the launch wrote."""
 
     def __init__(self):
         self.rope_launches: list[dict] = []
         self.cache_writes: list[dict] = []
         self.grouped_writes: list[tuple] = []
+        self.rope_cache_writes: list[dict] = []
+        self.qkv_norms: list[tuple] = []
 
     def rotary_embedding(self, positions, query, key, head_size, table, is_neox):
         self.rope_launches.append(
@@ -170,6 +171,41 @@ class RecordingOps:
     def concat_and_cache_mla_grouped(self, *args):
         self.grouped_writes.append(args)
 
+    def concat_and_cache_mla_rope_fused(
+        self,
+        positions,
+        q_pe,
+        k_pe,
+        kv_c,
+        cos_sin_cache,
+        is_neox,
+        slot_mapping,
+        kv_cache,
+        kv_cache_dtype,
+        kv_cache_scale,
+    ):
+        self.rope_cache_writes.append(
+            dict(
+                positions=positions,
+                q_pe=q_pe,
+                query=q_pe.clone(),
+                key=k_pe.clone(),
+                kv_c=kv_c,
+                cos_sin_cache=cos_sin_cache,
+                is_neox=is_neox,
+                slot_mapping=slot_mapping,
+                kv_cache=kv_cache,
+                kv_cache_dtype=kv_cache_dtype,
+                scale=kv_cache_scale,
+            )
+        )
+        q_pe.neg_()
+        k_pe.neg_()
+
+    def fused_q_kv_rmsnorm(self, q_c, kv_c, q_weight, kv_weight, eps):
+        self.qkv_norms.append((q_c, kv_c, q_weight, kv_weight, eps))
+        return q_c.clone(), kv_c.clone()  # Values are not checked.
+
 
 @pytest.fixture
 def kernels(rocm_platform, monkeypatch) -> RecordingOps:
@@ -179,8 +215,10 @@ def kernels(rocm_platform, monkeypatch) -> RecordingOps:
         "rms_norm",
         "concat_and_cache_mla",
         "concat_and_cache_mla_grouped",
+        "concat_and_cache_mla_rope_fused",
     ):
         monkeypatch.setattr(ops, name, getattr(recorder, name))
+    monkeypatch.setattr(amd_mla, "fused_q_kv_rmsnorm", recorder.fused_q_kv_rmsnorm)
     return recorder
 
 
@@ -267,11 +305,8 @@ def _draft_vllm_config(tmp_path, cache_dtype="auto", **overrides) -> VllmConfig:
 def build_draft(tmp_path, rocm_platform, tp1_cpu):
     """Build, initialise and post-process the ROCm drafter; bind KV caches."""
 
-    def build(cache_dtype="auto", post_process=True, draft_dcp=1, **overrides):
+    def build(cache_dtype="auto", post_process=True, **overrides):
         vllm_config = _draft_vllm_config(tmp_path, cache_dtype, **overrides)
-        # The draft's DCP (draft_decode_context_parallel_size), as the layers
-        # read it when they are built.
-        vllm_config.parallel_config.decode_context_parallel_size = draft_dcp
         with (
             set_current_vllm_config(vllm_config),
             set_default_torch_dtype(torch.bfloat16),
@@ -329,12 +364,15 @@ def _block_metadata(num_tokens, num_decode_tokens=None):
     return metadata, slots
 
 
-def _decode(draft, attn, positions, hidden_states):
-    """One non-causal draft block (decode only) through ``attn``."""
+def _decode(draft, attn, positions, hidden_states, with_slots=True):
+    """One non-causal draft block (decode only) through ``attn``; without
+    slots, as in a profiling run, the layer has no cache rows to write."""
     metadata, slots = _block_metadata(positions.numel())
     name = attn.mla_attn.layer_name
     with set_forward_context(
-        {name: metadata}, draft.vllm_config, slot_mapping={name: slots}
+        {name: metadata},
+        draft.vllm_config,
+        slot_mapping={name: slots} if with_slots else {},
     ):
         return attn(positions=positions, hidden_states=hidden_states)
 
@@ -378,9 +416,11 @@ def test_k3_dspark_rocm_rope_and_softmax_scale_match_nvidia(
 
 
 def test_k3_dspark_rocm_rope_table_stays_fp32(build_draft, kernels, mqa_calls):
-    """The draft forward and the context-KV precompute read the fp32 cos/sin
-    table NVIDIA uses, before and after forwards. (A default rope module
-    re-binds its table to the activation dtype on its first forward.)"""
+    """The context-KV precompute reads the fp32 cos/sin table NVIDIA uses,
+    before and after draft forwards (a default rope module re-binds its table
+    to the activation dtype on its first forward); the fused RoPE + cache
+    write reads that table rounded to the activation dtype, which the kernel
+    requires."""
     draft = build_draft(rope_parameters=dict(DEFAULT_ROPE))
     expected = _nvidia_rope(draft.config, "default").cos_sin_cache
 
@@ -401,36 +441,84 @@ def test_k3_dspark_rocm_rope_table_stays_fp32(build_draft, kernels, mqa_calls):
             )
     after = precompute()
 
-    assert len(kernels.rope_launches) == 3 * len(draft.model.layers)
-    for table in [before, after] + [r["cos_sin_cache"] for r in kernels.rope_launches]:
-        assert table is draft.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    assert kernels.rope_launches == []
+    assert len(kernels.rope_cache_writes) == 3 * len(draft.model.layers)
+    rope_emb = draft.model.layers[0].self_attn.rotary_emb
+    for table in before, after:
+        assert table is rope_emb.cos_sin_cache
     assert before.dtype == torch.float32
     assert torch.equal(before, expected)
+    for write in kernels.rope_cache_writes:
+        assert write["cos_sin_cache"].dtype == torch.bfloat16
+        assert torch.equal(write["cos_sin_cache"], expected.to(torch.bfloat16))
 
 
-def test_k3_dspark_rocm_rope_is_one_in_place_launch(build_draft, kernels, mqa_calls):
-    """A layer forward applies the RoPE as one in-place ``rotary_embedding``
-    launch on q_pe and k_pe with the fp32 table; MLAAttention writes the k_pe
-    that launch wrote into its cache and hands the decode kernel its q_pe, in
-    the activation dtype."""
-    draft = build_draft(rope_parameters=dict(YARN))
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_k3_dspark_rocm_rope_and_cache_write_are_one_launch(
+    cache_dtype, build_draft, kernels, mqa_calls
+):
+    """A layer forward rotates q_pe and k_pe and writes the layer's cache
+    rows in one launch of concat_and_cache_mla_rope_fused, in place on the
+    query the decode kernel then reads; no separate RoPE or cache write."""
+    draft = build_draft(cache_dtype=cache_dtype, rope_parameters=dict(YARN))
     attn = draft.model.layers[0].self_attn
     positions = torch.tensor([0, 5000, 100000])
 
     _decode(draft, attn, positions, torch.randn(3, 32, dtype=torch.bfloat16))
 
-    (launch,) = kernels.rope_launches
-    assert launch["positions"] is positions
-    assert launch["cos_sin_cache"] is attn.rotary_emb.cos_sin_cache
-    assert launch["cos_sin_cache"].dtype == torch.float32
-    assert (launch["head_size"], launch["is_neox"]) == (8, False)
-    (write,) = kernels.cache_writes
+    assert kernels.rope_launches == [] and kernels.cache_writes == []
+    (write,) = kernels.rope_cache_writes
+    assert write["positions"] is positions
+    assert write["is_neox"] is False
     assert write["kv_cache"] is attn.mla_attn.kv_cache
-    assert write["k_pe"].dtype == torch.bfloat16
-    assert torch.equal(write["k_pe"], -launch["key"].squeeze(1))
+    assert torch.equal(write["slot_mapping"], torch.arange(3))
+    assert write["kv_cache_dtype"] == cache_dtype
+    assert write["scale"] is attn.mla_attn._k_scale
+    assert write["key"].shape == (3, 8)
+    assert write["kv_c"].shape == (3, 16)
     ((_, q_pe),) = mqa_calls
     assert q_pe.dtype == torch.bfloat16
+    assert torch.equal(q_pe, -write["query"])
+
+
+def test_k3_dspark_rocm_rope_without_cache_rows_still_rotates(
+    build_draft, kernels, mqa_calls
+):
+    """A forward with no slot mapping (a profiling run) has no cache rows to
+    write; its RoPE is still applied, by the rope module's launch."""
+    draft = build_draft(rope_parameters=dict(YARN))
+    attn = draft.model.layers[0].self_attn
+
+    _decode(
+        draft,
+        attn,
+        torch.tensor([1, 2]),
+        torch.randn(2, 32, dtype=torch.bfloat16),
+        with_slots=False,
+    )
+
+    assert kernels.rope_cache_writes == [] and kernels.cache_writes == []
+    (launch,) = kernels.rope_launches
+    assert launch["cos_sin_cache"] is attn.rotary_emb.cos_sin_cache
+    ((_, q_pe),) = mqa_calls
     assert torch.equal(q_pe, -launch["query"])
+
+
+def test_k3_dspark_rocm_qkv_norms_are_one_launch(build_draft, kernels, mqa_calls):
+    """Without AITER the q_a and kv_a RMSNorms are one launch of the Triton
+    fused_q_kv_rmsnorm, as in NVIDIA's K3 MLA, not two rms_norm launches."""
+    draft = build_draft()
+    attn = draft.model.layers[0].self_attn
+    hidden_states = torch.randn(2, 32, dtype=torch.bfloat16)
+    norms_before = len(kernels.qkv_norms)
+
+    _decode(draft, attn, torch.tensor([1, 2]), hidden_states)
+
+    ((q_c, kv_c, q_weight, kv_weight, eps),) = kernels.qkv_norms[norms_before:]
+    assert q_c.shape == (2, 16) and kv_c.shape == (2, 16)
+    assert q_weight.data_ptr() == attn.q_a_layernorm.weight.data_ptr()
+    assert kv_weight.data_ptr() == attn.kv_a_layernorm.weight.data_ptr()
+    assert eps == attn.q_a_layernorm.variance_epsilon
 
 
 def test_k3_dspark_rocm_wrapper_takes_per_rank_heads(build_draft, monkeypatch):
@@ -501,295 +589,7 @@ def test_k3_dspark_rocm_never_takes_identity_rope_fused_decode(
     _decode(draft, attn, torch.tensor([3, 4]), torch.randn(2, 32, dtype=torch.bfloat16))
 
     assert fused_calls == []
-    assert len(mqa_calls) == len(kernels.rope_launches) == 1
-
-
-def _rotate(x, cos, sin, positions, is_neox):
-    """RoPE of x [tokens, heads, dim] by per-position cos/sin [*, dim / 2],
-    computed in fp32 and rounded once to x's dtype, as vLLM's rotary kernel
-    and aiter's fused kernel do with an fp32 table."""
-    c, s = cos[positions][:, None].float(), sin[positions][:, None].float()
-    xf = x.float()
-    if is_neox:
-        x1, x2 = xf.chunk(2, dim=-1)
-        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    else:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-    return out.to(x.dtype)
-
-
-def _write_rows(kv_cache, slot_mapping, rows, scale):
-    """Cache rows (flattened to one per slot) of the tokens whose slot is
-    >= 0: rows / scale (a 16-bit cache: rows) in the cache's dtype."""
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    if kv_cache.dtype == torch.uint8:
-        flat = flat.view(current_platform.fp8_dtype())
-        rows = rows.float() / scale
-    valid = slot_mapping >= 0
-    flat[slot_mapping[valid]] = rows[valid].to(flat.dtype)
-
-
-class TorchRopeAndCache:
-    """vLLM's ``rotary_embedding`` and ``concat_and_cache_mla`` as their ROCm
-    kernels compute them, for comparing the fused path with the unfused one."""
-
-    def rotary_embedding(self, positions, query, key, head_size, table, is_neox):
-        cos, sin = table.chunk(2, dim=-1)
-        query.copy_(_rotate(query, cos, sin, positions, is_neox))
-        key.copy_(_rotate(key, cos, sin, positions, is_neox))
-
-    def concat_and_cache_mla(
-        self, kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, skip_scale
-    ):
-        rows = torch.cat((kv_c, k_pe), dim=-1)
-        _write_rows(kv_cache, slot_mapping, rows, 1.0 if skip_scale else scale)
-
-
-class FusedRopeAndCache:
-    """aiter's Triton ``fused_qk_rope_cat_and_cache_mla`` (not installed
-    here) in torch, recorded: q_out = [q_nope | RoPE(q_pe)], and each token
-    with a slot >= 0 gets the cache row [k_nope | RoPE(k_pe)] (divided by
-    k_scale with apply_scale) in the cache's dtype."""
-
-    def __init__(self):
-        self.calls: list[dict] = []
-
-    def __call__(
-        self,
-        q_nope,
-        q_pe,
-        k_nope,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        pos,
-        cos,
-        sin,
-        k_scale,
-        is_neox,
-        num_decode_toks_for_zeros=0,
-        apply_scale=True,
-        q_out=None,
-        decode_q_pe_out=None,
-        k_pe_out=None,
-        q_out_dtype=None,
-    ):
-        self.calls.append(
-            dict(
-                q_pe=q_pe.clone(),
-                k_pe=k_pe.clone(),
-                kv_cache=kv_cache,
-                slot_mapping=slot_mapping,
-                pos=pos,
-                cos=cos,
-                sin=sin,
-                k_scale=k_scale,
-                is_neox=is_neox,
-                apply_scale=apply_scale,
-                q_out=q_out,
-            )
-        )
-        assert num_decode_toks_for_zeros == 0 and q_out is not None
-        assert k_nope.shape[1] == k_pe.shape[1] == kv_cache.shape[1] == 1
-        q_out.copy_(torch.cat((q_nope, _rotate(q_pe, cos, sin, pos, is_neox)), dim=-1))
-        k_pe_out = _rotate(k_pe, cos, sin, pos, is_neox)
-        rows = torch.cat((k_nope, k_pe_out), dim=-1)[:, 0].float()
-        if apply_scale:
-            rows = rows / k_scale
-        valid = slot_mapping >= 0
-        kv_cache[slot_mapping[valid], 0] = rows[valid].to(kv_cache.dtype)
-        return q_out, q_pe.new_empty(0, *q_pe.shape[1:]), k_pe_out, kv_cache
-
-
-@pytest.fixture
-def aiter_on(monkeypatch) -> FusedRopeAndCache:
-    """AITER switched on, and its Triton fused RoPE + cache kernel (the only
-    aiter op the draft layer calls once the dual RMSNorm is off) doubled."""
-    fused = FusedRopeAndCache()
-    module = types.ModuleType("aiter.ops.triton.fused_kv_cache")
-    vars(module)["fused_qk_rope_cat_and_cache_mla"] = fused
-    for name in ("aiter", "aiter.ops", "aiter.ops.triton"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", lambda: True)
-    return fused
-
-
-def _without_aiter_rms_norm(draft):
-    # The dual RMSNorm is an aiter custom op, registered only with aiter
-    # installed; the norms are not what these tests check.
-    for layer in draft.model.layers:
-        layer.self_attn._use_eager_qk_rmsnorm_fusion = False
-    return draft
-
-
-@pytest.mark.parametrize(
-    ("cache_dtype", "aiter", "fused"),
-    [
-        ("auto", True, True),
-        ("fp8", True, True),
-        ("fp8_e4m3", True, True),
-        # ROCm's concat_and_cache_mla writes no fp8_e5m2: nothing to match.
-        ("fp8_e5m2", True, False),
-        ("auto", False, False),
-        ("fp8", False, False),
-    ],
-)
-def test_k3_dspark_rocm_fused_rope_cache_with_aiter_only(
-    cache_dtype, aiter, fused, build_draft, monkeypatch
-):
-    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", lambda: aiter)
-    draft = build_draft(cache_dtype=cache_dtype, post_process=False)
-    for layer in draft.model.layers:
-        assert isinstance(layer.self_attn, amd_dspark_mla.K3DSparkMLAAttention)
-        assert layer.self_attn._fused_rope_cache is fused
-        # The target's identity-RoPE fused decode stays out of reach.
-        assert layer.self_attn._fused_qk_prep is False
-
-
-@pytest.mark.parametrize(("draft_dcp", "fused"), [(1, True), (2, False)])
-def test_k3_dspark_rocm_fused_rope_cache_under_a_dcp_target(
-    draft_dcp, fused, build_draft, monkeypatch
-):
-    """Under a DCP=2 target, a DCP=1 draft keeps a replicated cache: its
-    attention sees no DCP, so each rank's fused RoPE + cache write fills its
-    whole copy. A DCP=2 draft's cache is sharded: the fused path stays off."""
-    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", lambda: True)
-    # The target's DCP group of two ranks, as an attention impl asks for it
-    # (this process is the first rank).
-    monkeypatch.setattr(
-        parallel_state,
-        "get_dcp_world_size_and_rank",
-        lambda enabled=True: (2, 0) if enabled else (1, 0),
-    )
-    draft = build_draft(post_process=False, draft_dcp=draft_dcp)
-    for layer in draft.model.layers:
-        assert layer.self_attn.mla_attn.impl.dcp_world_size == draft_dcp
-        assert layer.self_attn._fused_rope_cache is fused
-
-
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
-def test_k3_dspark_rocm_aiter_rope_and_cache_write_are_one_launch(
-    cache_dtype, build_draft, kernels, mqa_calls, aiter_on
-):
-    """With AITER on, a decode block's RoPE and KV-cache write are one aiter
-    launch: on the fp32 table the unfused path reads, the layer's positions,
-    slots, cache and scale; the decode kernel gets the q it wrote."""
-    draft = _without_aiter_rms_norm(
-        build_draft(cache_dtype=cache_dtype, rope_parameters=dict(YARN))
-    )
-    positions = torch.tensor([0, 5000, 100000])
-    for layer in draft.model.layers:
-        _decode(draft, layer.self_attn, positions, torch.randn(3, 32).bfloat16())
-
-    assert kernels.rope_launches == kernels.cache_writes == []
-    assert len(aiter_on.calls) == len(mqa_calls) == len(draft.model.layers)
-    for call, (_, q_pe), layer in zip(aiter_on.calls, mqa_calls, draft.model.layers):
-        attn = layer.self_attn
-        table = attn.rotary_emb.cos_sin_cache
-        assert table.dtype == torch.float32
-        assert call["cos"].data_ptr() == table.data_ptr()
-        assert call["sin"].data_ptr() == table[:, 4:].data_ptr()
-        assert call["pos"].tolist() == positions.tolist()
-        assert call["is_neox"] is False
-        assert call["slot_mapping"].tolist() == [0, 1, 2]
-        assert call["kv_cache"].data_ptr() == attn.mla_attn.kv_cache.data_ptr()
-        fp8 = cache_dtype == "fp8"
-        assert call["kv_cache"].dtype == (
-            current_platform.fp8_dtype() if fp8 else torch.bfloat16
-        )
-        assert call["k_scale"] is attn.mla_attn._k_scale
-        assert call["apply_scale"] is fp8
-        assert torch.equal(q_pe, call["q_out"][..., 8:])
-
-
-@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
-def test_k3_dspark_rocm_aiter_fused_rope_cache_matches_unfused(
-    cache_dtype, build_draft, mqa_calls, aiter_on, monkeypatch
-):
-    """The fused path hands the decode kernel the query, and writes the cache,
-    of RoPE then concat_and_cache_mla: a 16-bit cache bit for bit; an fp8 one
-    within one fp8 step (the fused kernel rounds the rotated k_pe once, the
-    unfused path to bf16 first)."""
-    unfused = TorchRopeAndCache()
-    monkeypatch.setattr(ops, "rotary_embedding", unfused.rotary_embedding)
-    monkeypatch.setattr(ops, "concat_and_cache_mla", unfused.concat_and_cache_mla)
-    draft = _without_aiter_rms_norm(
-        build_draft(cache_dtype=cache_dtype, rope_parameters=dict(YARN))
-    )
-    attn = draft.model.layers[0].self_attn
-    # A calibrated scale (the unfused write skips a scale of 1.0).
-    attn.mla_attn._k_scale.fill_(0.5)
-    attn.mla_attn._k_scale_float = 0.5
-    positions = torch.tensor([7, 4096, 131071])
-    hidden_states = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
-
-    caches, queries = [], []
-    for fused in (True, False):
-        attn._fused_rope_cache = fused
-        attn.mla_attn.kv_cache.zero_()
-        _decode(draft, attn, positions, hidden_states.bfloat16())
-        caches.append(attn.mla_attn.kv_cache.clone())
-        queries.append(mqa_calls.pop()[1])
-    assert len(aiter_on.calls) == 1
-
-    assert torch.equal(queries[0], queries[1])
-    if cache_dtype == "auto":
-        assert torch.equal(caches[0], caches[1])
-    else:
-        fp8 = current_platform.fp8_dtype()
-        fused_rows, unfused_rows = (c.view(fp8).float() for c in caches)
-        assert torch.equal(fused_rows[..., :16], unfused_rows[..., :16])
-        torch.testing.assert_close(fused_rows, unfused_rows, rtol=2**-3, atol=0)
-    assert caches[0].count_nonzero() > 0
-
-
-def test_k3_dspark_rocm_aiter_fused_rope_cache_falls_back(
-    build_draft, kernels, mqa_calls, aiter_on
-):
-    """Outside a decode-only batch with slots and a cache of one slot stride
-    the layer runs the unfused path."""
-    draft = _without_aiter_rms_norm(build_draft())
-    attn = draft.model.layers[0].self_attn
-    name = attn.mla_attn.layer_name
-    positions = torch.tensor([3, 4])
-    hidden_states = torch.randn(2, 32, dtype=torch.bfloat16)
-
-    # A profile or dummy run: no metadata.
-    with set_forward_context(None, draft.vllm_config, slot_mapping={name: None}):
-        attn(positions=positions, hidden_states=hidden_states)
-    assert aiter_on.calls == [] and len(kernels.rope_launches) == 1
-
-    _decode(draft, attn, positions, hidden_states)
-    assert len(aiter_on.calls) == 1 and len(kernels.rope_launches) == 1
-
-    # A batch with prefill tokens, or without slots.
-    for metadata, slots in (
-        _block_metadata(2, num_decode_tokens=1),
-        (_block_metadata(2)[0], None),
-    ):
-        with set_forward_context(
-            {name: metadata}, draft.vllm_config, slot_mapping={name: slots}
-        ):
-            assert attn._fused_rope_cache_context() is None
-
-    # A cache whose pages are not one slot stride apart (a view with gaps
-    # between pages): the kernel indexes slots with a single stride.
-    cache = attn.mla_attn.kv_cache
-    attn.mla_attn.kv_cache = torch.zeros(
-        cache.shape[0], 2 * cache.shape[1], cache.shape[2], dtype=cache.dtype
-    )[:, : cache.shape[1]]
-    metadata, slots = _block_metadata(2)
-    with set_forward_context(
-        {name: metadata}, draft.vllm_config, slot_mapping={name: slots}
-    ):
-        assert attn._fused_rope_cache_context() is None
-    attn.mla_attn.kv_cache = cache
-    with set_forward_context(
-        {name: metadata}, draft.vllm_config, slot_mapping={name: slots}
-    ):
-        assert attn._fused_rope_cache_context() is not None
+    assert len(mqa_calls) == len(kernels.rope_cache_writes) == 1
 
 
 def test_k3_dspark_rocm_kv_cache_spec_groups_with_target_mla(build_draft):

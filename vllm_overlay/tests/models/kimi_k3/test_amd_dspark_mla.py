@@ -137,107 +137,76 @@ def test_k3_dspark_rocm_rope_kernel_matches_fp32_math(dist_init, monkeypatch):
     assert rope.cos_sin_cache is table
 
 
-def _aiter_layer(cache_dtype: str, monkeypatch):
-    """A draft layer's wrapper with AITER on, built for `cache_dtype`."""
-    pytest.importorskip("aiter.ops.triton.fused_kv_cache")
-    monkeypatch.setattr(common_dspark_mla, "get_draft_quant_config", lambda _: None)
-    monkeypatch.setattr(amd_dspark_mla.rocm_aiter_ops, "is_enabled", lambda: True)
-    layer = _build_layer(_production_config(), cache_dtype)
-    return layer.self_attn
+def _bf16_steps(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Largest distance in representable bf16 values between two tensors."""
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        bits = x.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return int((ordered(got) - ordered(want)).abs().max())
 
 
-def _rope_then_cache_write(attn, q, kv_c, k_pe, positions, kv_cache, slots):
-    """The unfused path: the in-place rotary kernel, then concat_and_cache_mla
-    as MLAAttention calls it."""
-    mla_attn = attn.mla_attn
-    q_pe = q[..., 128:]
-    attn.rotary_emb(positions, q_pe, k_pe)
-    mla_attn.impl.do_kv_cache_update(
-        kv_c,
-        k_pe,
-        kv_cache,
-        slots,
-        mla_attn.kv_cache_dtype,
-        mla_attn._k_scale,
-        skip_scale=mla_attn.kv_cache_dtype != "auto" and mla_attn._k_scale_float == 1.0,
-    )
-    return q, k_pe
-
-
-@pytest.mark.parametrize("k_scale", [1.0, 0.5])
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
-def test_k3_dspark_rocm_fused_rope_cache_matches_rope_then_cache_write(
-    dist_init, monkeypatch, cache_dtype, k_scale
+def test_k3_dspark_rocm_fused_rope_cache_write_matches_fp32_rope(
+    cache_dtype, dist_init, monkeypatch
 ):
-    """The draft layer's call of aiter's Triton fused_qk_rope_cat_and_cache_mla
-    against the in-place rotary kernel and concat_and_cache_mla on the
-    same inputs (YaRN table, positions to 131071, strided views, a paged
-    cache, a padded token with slot -1): the query's nope part and the
-    cache's nope bytes are equal; the rotated parts within one bf16 step
-    (FMA contraction) and, in an fp8 cache, one fp8 step (the fused kernel
-    rounds the rotation once, the unfused path to bf16 first)."""
-    attn = _aiter_layer(cache_dtype, monkeypatch)
-    assert attn._fused_rope_cache
-    mla_attn = attn.mla_attn
-    mla_attn._k_scale.fill_(k_scale)
-    mla_attn._k_scale_float = k_scale
-    g = torch.Generator(device="cuda").manual_seed(0)
-    tokens, heads = 5, 16
+    """concat_and_cache_mla_rope_fused, called as the draft layer calls it
+    (its bf16 copy of the YaRN table), against the fp32-table rotation
+    (forward_static) and a torch cache write: the kernel rounds the table to
+    bf16 and rotates in bf16, within a few bf16 steps of the fp32 rotation.
+    A padding row (slot -1) writes nothing."""
+    import vllm._custom_ops as ops
+
+    monkeypatch.setattr(common_dspark_mla, "get_draft_quant_config", lambda _: None)
+    config = _production_config()
+    attn = _build_layer(config, cache_dtype).self_attn
+    assert attn._rope_in_kv_cache_write
+    table = attn.rotary_emb.cos_sin_cache
     positions = torch.tensor([0, 4095, 65536, 131071, 7], device="cuda")
     slots = torch.tensor([3, 17, 40, 63, -1], device="cuda")
-    q = torch.randn(tokens, heads, 192, device="cuda", generator=g).bfloat16()
-    kv = torch.randn(tokens, 64 + 576, device="cuda", generator=g).bfloat16()
-    kv_c, k_pe = kv[:, 64:576], kv[:, 576:].unsqueeze(1)
+    q = torch.randn(5, 16, 192, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(5, 576, dtype=torch.bfloat16, device="cuda")
+    q_pe, k_pe, kv_c = q[..., 128:], kv[:, 512:], kv[:, :512]
     cache_torch_dtype = torch.bfloat16 if cache_dtype == "auto" else torch.uint8
-    row_bytes = 576 * cache_torch_dtype.itemsize
-    sentinel = torch.full((4, 16, row_bytes), 7, dtype=torch.uint8, device="cuda")
-    caches = [sentinel.clone().view(cache_torch_dtype) for _ in range(2)]
+    cache = torch.zeros(4, 16, 576, dtype=cache_torch_dtype, device="cuda")
+    scale = torch.tensor([0.75], device="cuda")
+    want_q, want_k = get_rope(
+        64,
+        max_position=config.max_position_embeddings,
+        rope_parameters=dict(YARN, rope_type="deepseek_yarn"),
+        is_neox_style=False,
+        dtype=torch.float32,
+    ).forward_static(positions, q_pe.float(), k_pe.float(), 64, 64, table, False)
+    assert want_k is not None
 
-    q_fused, _ = attn._rope_and_cache_write(
-        q, kv_c, k_pe, positions, caches[0], slots, tokens
-    )
-    q_unfused, _ = _rope_then_cache_write(
-        attn, q.clone(), kv_c, k_pe.clone(), positions, caches[1], slots
-    )
-
-    assert torch.equal(q_fused[..., :128], q[..., :128])
-    torch.testing.assert_close(q_fused, q_unfused, atol=1e-5, rtol=2**-7)
-    if cache_dtype == "auto":
-        fused, unfused = (c.float() for c in caches)
-        rtol = 2**-7
-    else:
-        fused, unfused = (c.view(current_platform.fp8_dtype()).float() for c in caches)
-        rtol = 2**-3
-    assert torch.equal(fused[..., :512], unfused[..., :512])
-    torch.testing.assert_close(fused, unfused, atol=1e-5, rtol=rtol)
-    # Only the four real tokens' rows were written.
-    written = (caches[0].view(torch.uint8) != sentinel).any(-1).sum()
-    assert int(written) == 4
-
-
-def test_k3_dspark_rocm_fused_rope_cache_saturates_fp8(dist_init, monkeypatch):
-    """A cache value beyond the fp8 range saturates, as concat_and_cache_mla's
-    does (vLLM's ROCm cache write converts with saturation; aiter's kernel
-    converts with v_cvt_pk_fp8_f32 on gfx942, compiled without a clamp)."""
-    attn = _aiter_layer("fp8", monkeypatch)
-    attn.mla_attn._k_scale.fill_(1.0)
-    q = torch.zeros(1, 16, 192, dtype=torch.bfloat16, device="cuda")
-    kv = torch.full((1, 576), 1000.0, dtype=torch.bfloat16, device="cuda")
-    kv[:, 1::2] = -1000.0
-    cache = torch.zeros(1, 16, 576, dtype=torch.uint8, device="cuda")
-    attn._rope_and_cache_write(
-        q,
-        kv[:, :512],
-        kv[:, 512:].unsqueeze(1),
-        torch.zeros(1, dtype=torch.long, device="cuda"),
+    ops.concat_and_cache_mla_rope_fused(
+        positions,
+        q_pe,
+        k_pe,
+        kv_c,
+        attn._rope_cos_sin_cache,
+        False,
+        slots[:4],
         cache,
-        torch.zeros(1, dtype=torch.long, device="cuda"),
-        1,
+        cache_dtype,
+        scale,
     )
-    row = cache[0, 0].view(current_platform.fp8_dtype()).float()
-    fp8_max = torch.finfo(current_platform.fp8_dtype()).max
-    assert torch.isfinite(row).all()
-    assert torch.equal(row[:512].abs(), torch.full_like(row[:512], fp8_max))
+
+    real = slice(0, 4)
+    assert _bf16_steps(q_pe[real], want_q[real].bfloat16()) <= 4
+    assert _bf16_steps(k_pe[real], want_k[real].bfloat16()) <= 4
+    rows = cache.view(-1, 576)
+    written = torch.cat([kv_c[real], k_pe[real]], dim=-1)
+    if cache_dtype == "auto":
+        torch.testing.assert_close(rows[slots[real]], written, atol=0, rtol=0)
+    else:
+        fp8 = current_platform.fp8_dtype()
+        stored = rows[slots[real]].view(fp8).float() * scale
+        torch.testing.assert_close(stored, written.float(), atol=0.1, rtol=2**-3)
+    untouched = torch.ones(rows.shape[0], dtype=torch.bool, device="cuda")
+    untouched[slots[real]] = False
+    assert not rows[untouched].any()
 
 
 def test_k3_dspark_registry_resolves_rocm_drafter():

@@ -6,6 +6,7 @@ from typing import cast
 
 import torch
 
+import vllm._custom_ops as ops
 from vllm._aiter_ops import rocm_aiter_ops
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.attention import get_attention_context
@@ -22,7 +23,9 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
 from vllm.model_executor.utils import refill_derived
+from vllm.models.common.ops import fused_q_kv_rmsnorm
 from vllm.platforms import current_platform
+from vllm.utils.torch_utils import _encode_layer_name
 
 _OPT_KV_LORA_RANK = 512
 _OPT_ROT_DIM = 64
@@ -33,9 +36,33 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
     """Kimi-K3 MLA wrapper with eager AITER q/kv RMSNorm and output gate
     fusions and a fused decode Q-prep path."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    # KV-cache dtypes that vLLM's fused RoPE + cache write kernel
+    # (concat_and_cache_mla_rope_fused) stores on ROCm as concat_and_cache_mla
+    # does.
+    ROPE_KV_CACHE_WRITE_DTYPES = frozenset({"auto", "bfloat16", "fp8", "fp8_e4m3"})
+
+    def __init__(
+        self, *args, fuse_rope_into_kv_cache_write: bool = False, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._use_eager_qk_rmsnorm_fusion = bool(rocm_aiter_ops.is_enabled())
+        self._rope_in_kv_cache_write = (
+            fuse_rope_into_kv_cache_write and self._rope_in_kv_cache_write_supported()
+        )
+        # The fused kernel takes its cos/sin table in the activation dtype; the
+        # rotary embedding keeps its own table for every other use.
+        self._rope_cos_sin_cache: torch.Tensor | None
+        rope_cos_sin_cache = None
+        self._rope_is_neox = False
+        if self._rope_in_kv_cache_write:
+            assert self.rotary_emb is not None
+            rope_cos_sin_cache = self.rotary_emb.cos_sin_cache.to(
+                torch.get_default_dtype()
+            )
+            self._rope_is_neox = bool(self.rotary_emb.is_neox_style)
+        self.register_buffer(
+            "_rope_cos_sin_cache", rope_cos_sin_cache, persistent=False
+        )
         self._fused_qk_prep = self._fused_qk_prep_supported()
         self._identity_rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._qkv_gate_fused = isinstance(
@@ -101,6 +128,21 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
             or not attn.is_aiter_triton_fp8_bmm_enabled
         )
 
+    def _rope_in_kv_cache_write_supported(self) -> bool:
+        # The fused op writes the cache rows as given: no DCP/PCP gather, no
+        # HiSparse or shared cache, and a query of this rank's heads only.
+        attn = self.mla_attn
+        return (
+            self.rotary_emb is not None
+            and attn.kv_cache_dtype in self.ROPE_KV_CACHE_WRITE_DTYPES
+            and attn.kv_sharing_target_layer_name is None
+            and attn.impl.dcp_world_size == 1
+            and not attn.use_pcp
+            and attn.hisparse_cache is None
+            and not self.dcp_q_replicate
+            and self.indexer is None
+        )
+
     def get_input_quant_key(self) -> QuantKey | None:
         if self.indexer is not None:
             return None
@@ -134,6 +176,14 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 kv_layernorm.variance_epsilon,
             )
 
+        if self.fuse_qkv_rmsnorm:
+            return fused_q_kv_rmsnorm(
+                q_c,
+                kv_c,
+                q_layernorm.weight.data,
+                kv_layernorm.weight.data,
+                q_layernorm.variance_epsilon,
+            )
         return q_layernorm(q_c), kv_layernorm(kv_c)
 
     @staticmethod
@@ -310,6 +360,51 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         attn._v_up_proj(attn_out, out=output)
         return output
 
+    def _rope_kv_cache_write_and_attend(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        output_shape: tuple[int, int],
+    ) -> torch.Tensor:
+        """MLAAttention's forward with its RoPE and KV-cache write as one
+        launch of ops.concat_and_cache_mla_rope_fused, which rotates q_pe and
+        k_pe in place and writes [kv_c_normed | rotated k_pe] into the cache:
+        what the MLA RoPE + KV-cache fusion pass gives compiled models
+        (fused_rope_unified_mla_kv_cache_update), for an uncompiled layer."""
+        attn = self.mla_attn
+        q_pe = q[..., self.qk_nope_head_dim :]
+        attn_metadata, _, kv_cache, slot_mapping = get_attention_context(
+            attn.layer_name
+        )
+        if slot_mapping is None or kv_cache.numel() == 0:
+            # Nothing to write (a profiling run): rotate only.
+            assert self.rotary_emb is not None
+            q[..., self.qk_nope_head_dim :], k_pe = self.rotary_emb(
+                positions, q_pe, k_pe
+            )
+        else:
+            assert self._rope_cos_sin_cache is not None
+            attn.prepare_kv_cache_update(attn_metadata)
+            ops.concat_and_cache_mla_rope_fused(
+                positions,
+                q_pe,
+                k_pe.squeeze(1),
+                kv_c_normed,
+                self._rope_cos_sin_cache,
+                self._rope_is_neox,
+                slot_mapping,
+                kv_cache,
+                attn.kv_cache_dtype,
+                attn._k_scale,
+            )
+        output = q.new_empty(output_shape)
+        torch.ops.vllm.unified_mla_attention_with_output(
+            q, kv_c_normed, k_pe, output, _encode_layer_name(attn.layer_name)
+        )
+        return output
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -396,7 +491,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 heads *= q_proj_layer.group_size
             q = q.view(-1, heads, self.qk_head_dim)
 
-            if self.rotary_emb is not None:
+            if self.rotary_emb is not None and not self._rope_in_kv_cache_write:
                 q[..., self.qk_nope_head_dim :], k_pe = self.rotary_emb(
                     positions, q[..., self.qk_nope_head_dim :], k_pe
                 )
@@ -421,6 +516,10 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 layer,
                 kv_cache,
                 slot_mapping,
+            )
+        elif self._rope_in_kv_cache_write:
+            attn_out = self._rope_kv_cache_write_and_attend(
+                positions, q, kv_c_normed, k_pe, output_shape
             )
         else:
             attn_out = self.mla_attn(
