@@ -137,14 +137,14 @@ def test_k3_dspark_rocm_rope_kernel_matches_fp32_math(dist_init, monkeypatch):
     assert rope.cos_sin_cache is table
 
 
-def _bf16_steps(got: torch.Tensor, want: torch.Tensor) -> int:
-    """Largest distance in representable bf16 values between two tensors."""
-
-    def ordered(x: torch.Tensor) -> torch.Tensor:
-        bits = x.view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-    return int((ordered(got) - ordered(want)).abs().max())
+def _assert_rope_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The kernel rounds the table to bf16 and each product and sum, so it is
+    not within one rounding of the fp32 rotation: its relative error is about
+    1.6x one rounding's, its largest error a few roundings at the inputs'
+    scale (where products cancel)."""
+    err = got.double() - want.double()
+    assert float(err.norm() / want.double().norm()) < 4e-3
+    assert float(err.abs().max()) <= 2**-6 * float(want.abs().max())
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
@@ -153,9 +153,8 @@ def test_k3_dspark_rocm_fused_rope_cache_write_matches_fp32_rope(
 ):
     """concat_and_cache_mla_rope_fused, called as the draft layer calls it
     (its bf16 copy of the YaRN table), against the fp32-table rotation
-    (forward_static) and a torch cache write: the kernel rounds the table to
-    bf16 and rotates in bf16, within a few bf16 steps of the fp32 rotation.
-    A padding row (slot -1) writes nothing."""
+    (forward_static) and a torch cache write. A padding row (slot -1) writes
+    nothing."""
     import vllm._custom_ops as ops
 
     monkeypatch.setattr(common_dspark_mla, "get_draft_quant_config", lambda _: None)
@@ -177,8 +176,11 @@ def test_k3_dspark_rocm_fused_rope_cache_write_matches_fp32_rope(
         rope_parameters=dict(YARN, rope_type="deepseek_yarn"),
         is_neox_style=False,
         dtype=torch.float32,
-    ).forward_static(positions, q_pe.float(), k_pe.float(), 64, 64, table, False)
+    ).forward_static(
+        positions, q_pe.float(), k_pe.float().unsqueeze(1), 64, 64, table, False
+    )
     assert want_k is not None
+    want_k = want_k.squeeze(1)
 
     ops.concat_and_cache_mla_rope_fused(
         positions,
@@ -194,8 +196,8 @@ def test_k3_dspark_rocm_fused_rope_cache_write_matches_fp32_rope(
     )
 
     real = slice(0, 4)
-    assert _bf16_steps(q_pe[real], want_q[real].bfloat16()) <= 4
-    assert _bf16_steps(k_pe[real], want_k[real].bfloat16()) <= 4
+    _assert_rope_close(q_pe[real], want_q[real])
+    _assert_rope_close(k_pe[real], want_k[real])
     rows = cache.view(-1, 576)
     written = torch.cat([kv_c[real], k_pe[real]], dim=-1)
     if cache_dtype == "auto":
