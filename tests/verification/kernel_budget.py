@@ -8,13 +8,16 @@ counting rules), for:
   what ROCm users run today (0.34.0's registry sends ``K3DSparkModel`` to
   ``nvidia.dspark_mla`` on every platform). It runs in a zygote that imports
   the whole pristine release, extracted from git (``tests.support.pristine``);
-* ``nvidia`` and ``amd``: the patched NVIDIA and AMD modules on ROCm;
+* ``nvidia`` and ``amd``: the patched NVIDIA and AMD modules on ROCm (the
+  NVIDIA module on the patched tree is what ROCm would run with the stack
+  but without its ROCm drafter and dispatch patches: the fair comparison);
 * ``amd-aiter-gfx942`` (MI300) and ``amd-aiter-gfx950`` (MI355): the AMD
   module in the AITER FP8 BMM regime (``VLLM_ROCM_USE_AITER=1`` with FP8 BMM on
   the platform's fp8, ``harness/aiter_drafter.py``), each in an AITER-on zygote
   of its arch: aiter's Triton kernels count as ``triton::`` launches, its HIP
   op ``_fused_qk_rmsnorm`` (a checked double here) as one ``aiter::`` launch.
-  MI355's FP4 BMM is not counted: the pinned aiter lacks its kernel;
+  ``nvidia-aiter-gfx942`` / ``-gfx950``: the patched NVIDIA module in the same
+  zygotes. MI355's FP4 BMM is not counted: the pinned aiter lacks its kernel;
 
 each with a bf16 (``auto``) and an fp8 KV cache, and under both of vLLM's
 execution modes: ``compiled`` is vLLM's default config (torch.compile with
@@ -40,8 +43,8 @@ A step with L layers launches ``context_kv + first_layer + (L-1) * layer +
 model``. What is counted, and where the count stops:
 
 * the attention layer is run for real up to and including its call into the
-  attention backend, plus its KV-cache write (``concat_and_cache_mla`` on AMD,
-  the fused decode epilogue on NVIDIA). Both sides use TRITON_MLA; its
+  attention backend, plus its KV-cache write (``concat_and_cache_mla_rope_fused``
+  on AMD, the fused decode epilogue on NVIDIA). Both sides use TRITON_MLA; its
   attention kernel (``decode_attention_fwd``, or in a patched tree the
   non-causal block kernel ``decode_attention_fwd_mla_block``; two Triton
   kernels each) is replaced by a stand-in counted as one launch,
@@ -104,31 +107,27 @@ ROCM = "rocm-gfx942"
 # one launch. They are compared with the baseline and AITER-off rows, which
 # are measured on gfx942 only.
 AITER_MODULES = {arch: f"amd-aiter-{arch}" for arch in ARCHES}
+# The patched NVIDIA module in the same AITER-on zygotes: what the AITER rows
+# are compared with.
+NVIDIA_AITER_MODULES = {arch: f"nvidia-aiter-{arch}" for arch in ARCHES}
 
 # aiter's FP8 batched GEMM (vLLM's rocm_aiter_ops.triton_fp8_bmm), as counted.
 AITER_FP8_BMM = "triton::_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_kernel"
 
-# aiter's Triton QK RoPE + concat + MLA cache write, as counted.
-AITER_ROPE_AND_CACHE = "triton::_fused_qk_rope_cat_and_cache_mla_kernel"
+# vLLM's fused RoPE + MLA cache write (csrc/cache_kernels_fused.cu), as counted.
+ROPE_AND_CACHE = "_C_cache_ops::concat_and_cache_mla_rope_fused"
 
 # Why the AMD module launches more than the baseline, by cause ...
 EXTRA_CAUSES = {
-    "rope": "the RoPE of q_pe and k_pe is one launch of vLLM's in-place rotary "
-    "kernel (fp32 table); the baseline rotates inside its fused decode epilogue",
-    "q/kv norms": "q_a_layernorm and kv_a_layernorm are two RMSNorms (vllm_ir "
-    "rms_norm: one _C kernel each); the baseline fuses both into one Triton "
-    "kernel (fused_q_kv_rmsnorm). With VLLM_ROCM_USE_AITER=1, the usual ROCm "
-    "setting, the ROCm wrapper runs both as one AITER kernel "
-    "(fused_mla_dual_rms_norm, aiter's _fused_qk_rmsnorm: the AITER rows)",
+    "q/kv norms": "with VLLM_ROCM_USE_AITER=1 the ROCm wrapper runs q_a_layernorm "
+    "and kv_a_layernorm as one AITER kernel (fused_mla_dual_rms_norm, aiter's "
+    "_fused_qk_rmsnorm: the AITER rows) where the baseline runs one Triton "
+    "kernel (fused_q_kv_rmsnorm, which the AMD module runs with AITER off)",
     "aiter bmm": "with AITER FP8 BMM on, the two absorb BMMs (W_K, W_V) are aiter's "
     "Triton FP8 batched GEMM instead of aten::bmm",
-    "cache write": "the KV-cache write is a launch of its own (MLAAttention: "
-    "concat_and_cache_mla); the baseline's fused decode epilogue writes the "
-    "cache together with the query concat and both RoPEs",
-    "rope and cache write": "with AITER on, the RoPE of q_pe and k_pe and the "
-    "KV-cache write are one launch of aiter's Triton "
-    "fused_qk_rope_cat_and_cache_mla (the AITER rows); the baseline's fused "
-    "decode epilogue does both together with the query concat",
+    "rope and cache write": "the RoPE of q_pe and k_pe and the KV-cache write "
+    "are one launch of vLLM's concat_and_cache_mla_rope_fused; the baseline's "
+    "fused decode epilogue does both together with the query concat",
     "vllm kernels": "in vLLM's default (compiled) config the draft runs vLLM's "
     "kernels (draft_compilation_config, draft_ir_op_priority) where the "
     "baseline runs each op's native PyTorch form, op by op: one kernel "
@@ -137,12 +136,10 @@ EXTRA_CAUSES = {
 # ... and by op: every op the AMD module launches more often than the
 # baseline, in any configuration and phase, must be listed with its causes.
 ALLOWED_EXTRA: dict[str, tuple[str, ...]] = {
-    "_C::rotary_embedding": ("rope",),
-    "_C_cache_ops::concat_and_cache_mla": ("cache write",),
-    "_C::rms_norm": ("q/kv norms", "vllm kernels"),
+    "_C::rms_norm": ("vllm kernels",),
     "aiter::_fused_qk_rmsnorm": ("q/kv norms",),
     AITER_FP8_BMM: ("aiter bmm",),
-    AITER_ROPE_AND_CACHE: ("rope and cache write",),
+    ROPE_AND_CACHE: ("rope and cache write",),
     "_C::fused_add_rms_norm": ("vllm kernels",),
     "_C::silu_and_mul": ("vllm kernels",),
 }
@@ -165,7 +162,8 @@ class Config:
     @property
     def aiter_arch(self) -> str | None:
         """The emulated arch of an AITER configuration, else None."""
-        return {m: arch for arch, m in AITER_MODULES.items()}.get(self.module)
+        modules = {**AITER_MODULES, **NVIDIA_AITER_MODULES}.items()
+        return {m: arch for arch, m in modules}.get(self.module)
 
     @property
     def label(self) -> str:
@@ -174,12 +172,20 @@ class Config:
         if self.module == "registry":
             return "what ROCm runs (the registry's K3DSparkModel)"
         if self.aiter_arch:
-            return f"AMD module, patched, AITER FP8 BMM, {self.aiter_arch}"
+            platform = "AMD" if self.module.startswith("amd") else "NVIDIA"
+            return f"{platform} module, patched, AITER FP8 BMM, {self.aiter_arch}"
         return f"{self.module.upper()} module, patched"
 
     @property
     def baseline(self) -> Config:
         return Config("baseline", self.cache, self.mode)
+
+    @property
+    def nvidia(self) -> Config:
+        """The patched NVIDIA module in this configuration's regime."""
+        arch = self.aiter_arch
+        module = NVIDIA_AITER_MODULES[arch] if arch else "nvidia"
+        return Config(module, self.cache, self.mode)
 
 
 def configs(*modules: str) -> list[Config]:
@@ -191,7 +197,13 @@ def configs(*modules: str) -> list[Config]:
     ]
 
 
-CONFIGS = configs("baseline", "nvidia", "amd", *AITER_MODULES.values())
+CONFIGS = configs(
+    "baseline",
+    "nvidia",
+    "amd",
+    *AITER_MODULES.values(),
+    *NVIDIA_AITER_MODULES.values(),
+)
 # What each platform runs with a tree of the stack (any prefix), both counted
 # under the emulated ROCm platform: NVIDIA the NVIDIA module, ROCm what the
 # registry resolves there.
@@ -490,7 +502,7 @@ def measure_all(
     its zygote); the zygotes work at the same time."""
     work = [(pristine, configs("baseline")), (patched, configs("nvidia", "amd"))]
     for arch, zygote in (aiter or {}).items():
-        work.append((zygote, configs(AITER_MODULES[arch])))
+        work.append((zygote, configs(AITER_MODULES[arch], NVIDIA_AITER_MODULES[arch])))
     with ThreadPoolExecutor(max_workers=len(work)) as pool:
         jobs = [pool.submit(measure_configs, z, c) for z, c in work]
         return {k: v for job in jobs for k, v in job.result().items()}

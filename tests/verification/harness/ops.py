@@ -37,6 +37,7 @@ _SCHEMAS = {
     "_C_cache_ops": {
         "concat_and_cache_mla": "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor! kv_cache, Tensor slot_mapping, str kv_cache_dtype, Tensor scale, bool skip_scale=False) -> ()",
         "concat_and_cache_mla_grouped": "concat_and_cache_mla_grouped(Tensor kv_c, Tensor k_pe, Tensor kv_cache_ptrs, Tensor slot_mapping, int block_size, int block_stride, int entry_stride, Tensor? kv_scales=None, str kv_cache_dtype='auto') -> ()",
+        "concat_and_cache_mla_rope_fused": "concat_and_cache_mla_rope_fused(Tensor positions, Tensor! q_pe, Tensor! k_pe, Tensor kv_c, Tensor cos_sin_cache, bool is_neox, Tensor slot_mapping, Tensor! kv_cache, str kv_cache_dtype, Tensor kv_cache_scale) -> ()",
     },
 }
 
@@ -181,6 +182,34 @@ def _concat_and_cache_mla_grouped(
     )
 
 
+def _concat_and_cache_mla_rope_fused(
+    positions,
+    q_pe,
+    k_pe,
+    kv_c,
+    cos_sin_cache,
+    is_neox,
+    slot_mapping,
+    kv_cache,
+    kv_cache_dtype,
+    kv_cache_scale,
+):
+    calls["concat_and_cache_mla_rope_fused"] += 1
+    reference.concat_and_cache_mla_rope_fused(
+        positions,
+        q_pe,
+        k_pe,
+        kv_c,
+        cos_sin_cache,
+        is_neox,
+        slot_mapping,
+        kv_cache,
+        kv_cache_dtype,
+        kv_cache_scale,
+        fp8_dtype=_STATE["fp8_dtype"],
+    )
+
+
 _IMPLS = {
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
@@ -194,6 +223,7 @@ _IMPLS = {
     ),
     "concat_and_cache_mla": _concat_and_cache_mla,
     "concat_and_cache_mla_grouped": _concat_and_cache_mla_grouped,
+    "concat_and_cache_mla_rope_fused": _concat_and_cache_mla_rope_fused,
 }
 
 

@@ -313,6 +313,61 @@ def rotate(
     return torch.stack([na, nb], dim=-1).flatten(-2)
 
 
+def rotate_in_dtype(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> torch.Tensor:
+    """x [T, ..., rot_dim] rotated as csrc/cache_kernels_fused.cu does: cos and
+    sin cast to x's dtype, each product and each sum rounded to it."""
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache.to(x.dtype)[positions.reshape(-1).long()]
+    lead = (x.shape[0],) + (1,) * (x.dim() - 2)
+    c, s = cs[:, :half].view(*lead, half), cs[:, half:].view(*lead, half)
+    if is_neox:
+        a, b = x[..., :half], x[..., half:]
+    else:
+        a, b = x[..., 0::2], x[..., 1::2]
+    na, nb = a * c - b * s, b * c + a * s
+    if is_neox:
+        return torch.cat([na, nb], dim=-1)
+    return torch.stack([na, nb], dim=-1).flatten(-2)
+
+
+def concat_and_cache_mla_rope_fused(
+    positions: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_cache_dtype: str,
+    scale: torch.Tensor,
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> None:
+    """csrc/cache_kernels_fused.cu ``concat_and_cache_mla_rope_fused``: the
+    table must be q_pe's dtype; the first ``slot_mapping.numel()`` tokens with
+    a slot >= 0 get q_pe [T, H, rot] and k_pe [T, rot] rotated in place and
+    their cache row [kv_c | rotated k_pe] written; other tokens are left as
+    they are."""
+    assert cos_sin_cache.dtype == q_pe.dtype == k_pe.dtype == kv_c.dtype
+    tokens = slot_mapping.numel()
+    live = (slot_mapping.reshape(-1) >= 0).nonzero().reshape(-1)
+    pos = positions[:tokens][live]
+    q_pe[live] = rotate_in_dtype(q_pe[live], pos, cos_sin_cache, is_neox)
+    k_pe[live] = rotate_in_dtype(k_pe[live], pos, cos_sin_cache, is_neox)
+    concat_and_cache_mla(
+        kv_c[live],
+        k_pe[live],
+        kv_cache,
+        slot_mapping.reshape(-1)[live],
+        kv_cache_dtype,
+        scale,
+        fp8_dtype=fp8_dtype,
+    )
+
+
 def mla_decode_q_concat_kv_cache_insert(
     ql_nope: torch.Tensor,
     q_pe: torch.Tensor,
