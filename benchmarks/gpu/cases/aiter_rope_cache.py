@@ -36,9 +36,10 @@ rotation by the fp32 table, in representable steps of the output dtype (q_pe,
 k_pe, the cache's rope part) and as a relative error; the cache's nope part
 against kv_c_normed stored as the path stores it; every other byte of each
 cache still the poison fill. Bounds: unfused and aiter rotate in fp32 and
-round once (at most one bf16 step from the float64 result); vllm-fused rounds
-the table to bf16 and rounds each product and the difference (a few steps:
-the figure is printed).
+round once (at most one bf16 step from the float64 result where |x| >= 2^-4);
+vllm-fused rounds the table to bf16 and rounds each product and the
+difference: its relative error must stay under 4e-3 (its steps are printed),
+and its cache rows must hold the k_pe it rotated, as stored.
 
 A case module of the GPU benchmark runner (run.py skips it: it has no
 `bind`); run on its own from the built package:
@@ -626,6 +627,11 @@ def check_path(shape: dict, x: dict, path, table: torch.Tensor, k_scale: float,
         "cache rope steps": steps_where_large(written[:, KV_LORA_RANK:], want_rope,
                                               ref_k / rope_scale),
         "cache nope steps": int(steps_apart(written[:, :KV_LORA_RANK], want_nope).max()),
+        # The cache's rope part against the path's own rotated k_pe, stored.
+        "cache rope vs k_pe steps": int(steps_apart(
+            written[:, KV_LORA_RANK:],
+            (k_pe_out.float() / rope_scale).to(FP8) if shape["kv"] == "fp8" else k_pe_out,
+        ).max()),
         "q max abs err": float((q_pe_out.double() - ref_q).abs().max()),
         "k_pe max abs err": float((k_pe_out.double() - ref_k).abs().max()),
         "q nope kept": torch.equal(q_out[:, :, :NOPE_DIM], x["q"][:, :, :NOPE_DIM]),
@@ -642,9 +648,10 @@ def path_ok(name: str, r: dict) -> bool:
     if name in ROUNDED_ONCE:
         rope = r["q steps"] <= 1 and r["k_pe steps"] <= 1 and r["cache rope steps"] <= 1
     else:
-        # Rounded from a bf16 rotation: fp8 one step from the exact value
-        # at most; bf16 stores k_pe as rotated.
-        rope = r["cache rope steps"] <= (1 if r["kv"] == "fp8" else r["k_pe steps"])
+        # Rotated in bf16 math: its error is measured (printed), bounded only
+        # as a relative error; the cache holds the rotated k_pe as stored.
+        rope = (r["q_pe rel err"] < 4e-3 and r["k_pe rel err"] < 4e-3
+                and r["cache rope vs k_pe steps"] <= (1 if r["kv"] == "fp8" else 0))
     return structural and rope and r["cache nope steps"] <= nope_bound
 
 
