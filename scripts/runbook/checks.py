@@ -65,15 +65,15 @@ EXPECTATIONS = (
     Expectation("no AITER BMM with its flags off", "kernels", f"{_FP8_BMM}|{_FP4_BMM}",
                 "absent", "with the BMM flags off, the absorb is torch's bmm",
                 lambda flags: not flags.bmm, "an AITER BMM flag is on"),
-    Expectation("AITER fused RoPE + draft KV write", "kernels",
-                r"_fused_qk_rope_cat_and_cache_mla_kernel", "present",
-                "with AITER on, each draft layer's RoPE and KV-cache write are one "
-                "launch of aiter's Triton fused_qk_rope_cat_and_cache_mla",
-                lambda flags: flags.on, "AITER off"),
-    Expectation("draft KV write through concat_and_cache_mla", "kernels",
-                r"concat_and_cache_mla_kernel", "present",
-                "with AITER off, MLAAttention writes the draft KV cache with vLLM's cache op",
-                lambda flags: not flags.on, "AITER on: the fused launch writes it"),
+    Expectation("fused RoPE + draft KV write", "kernels",
+                r"concat_and_cache_mla_rope_fused_kernel", "present",
+                "AITER on and off, each draft layer's RoPE and KV-cache write are one "
+                "launch of vLLM's concat_and_cache_mla_rope_fused"),
+    Expectation("no separate RoPE launch in the draft layers", "kernels",
+                r"rotary_embedding_kernel", "once-per-draft",
+                "the draft layers rotate in the fused launch: vLLM's rotary_embedding runs "
+                "only in the context precompute, once per draft step (the K3 target has no "
+                "RoPE); rotary_embedding then concat_and_cache_mla per layer would be more"),
     Expectation("no HIPified NVIDIA decode kernel", "kernels",
                 r"fusedKimiK3MLADecodeQConcatKVCacheKernel", "absent",
                 "the NVIDIA module's fused decode concat must not run on ROCm"),

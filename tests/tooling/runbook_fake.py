@@ -258,15 +258,11 @@ def decode_trace(drafts: int, env: dict | None = None) -> dict:
 
 
 # What the sample's AITER kernels become under other switches: the absorb on
-# torch's bmm (hipBLASLt), the FP4 BMM on gfx950, and with AITER off RoPE and
-# the cache write as vLLM's two _C launches.
+# torch's bmm (hipBLASLt), the FP4 BMM on gfx950. The draft's RoPE + cache
+# write is vLLM's fused launch under every switch.
 _TORCH_BMM = [{"ph": "X", "cat": "cpu_op", "name": "aten::bmm"},
               {"ph": "X", "cat": "kernel", "name": "Cijk_Alik_Bljk_BBS_BH_MT64x64x64_MI16x16x1"}]
 _FP4_BMM = [{"ph": "X", "cat": "kernel", "name": "_batched_gemm_a16wfp4_kernel"}]
-_UNFUSED = [{"ph": "X", "cat": "kernel", "name": "void vllm::rotary_embedding_kernel<"
-             "c10::BFloat16, true>(long const*, c10::BFloat16*, ...)"},
-            {"ph": "X", "cat": "kernel", "name": "void vllm::concat_and_cache_mla_kernel<"
-             "__hip_bfloat16, __hip_bfloat16, (vllm::Fp8KVCacheDataType)0>(...)"}]
 
 
 def _as_served(events: list[dict], env: dict) -> list[dict]:
@@ -279,8 +275,6 @@ def _as_served(events: list[dict], env: dict) -> list[dict]:
         if "batched_gemm_a8w8" in name and not fp8:
             out += [{**x, "ts": e["ts"], "dur": e["dur"]} for x in (_FP4_BMM if fp4 else
                                                                      _TORCH_BMM)]
-        elif "rope_cat_and_cache" in name and not aiter:
-            out += [{**x, "ts": e["ts"], "dur": e["dur"]} for x in _UNFUSED]
         else:
             out.append(e)
     return out

@@ -215,11 +215,12 @@ def test_a_full_run_writes_the_report(config, capsys):
     assert "- accuracy gate B in the other regimes: aiter-off passed, aiter passed" in summary
     assert "- profile (B): every kernel expectation met in 3 regime(s)" in summary
     # Which kernels each regime launched for the absorb, RoPE and the cache write.
-    assert ("| aiter-off | `aten::bmm` × 20 | `rotary_embedding_kernel` × 20 | "
-            "`concat_and_cache_mla_grouped_kernel` × 20<br>`concat_and_cache_mla_kernel` × 20 |"
-            in summary)
+    rope_and_write = ("`rotary_embedding_kernel` × 20<br>`concat_and_cache_mla_rope_fused_kernel`"
+                      " × 20 | `concat_and_cache_mla_grouped_kernel` × 20<br>"
+                      "`concat_and_cache_mla_rope_fused_kernel` × 20 |")
+    assert f"| aiter-off | `aten::bmm` × 20 | {rope_and_write}" in summary
     assert "| aiter-fp8bmm | `_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_" \
-           "tensor_quant_kernel` × 20 | `_fused_qk_rope_cat_and_cache_mla_kernel` × 20 |" in summary
+           f"tensor_quant_kernel` × 20 | {rope_and_write}" in summary
     assert "| 4096 | 64 |" in summary and "B/A, geometric mean over 12 cells" in summary
     # Every command is on record, in the order it ran, with its exit status.
     log = (report / "commands.log").read_text().splitlines()

@@ -111,7 +111,7 @@ def test_chrome_trace_reads_kernels_runtime_and_ops_also_gzipped(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump(decode_trace(3), f)
     trace = parse.chrome_trace(path)
-    assert len(trace.kernels) == 3 * 4
+    assert len(trace.kernels) == 3 * 5
     assert trace.runtime.count("hipGraphLaunch") == 3
     assert "_C_cache_ops::concat_and_cache_mla_grouped" in trace.cpu_ops
 
@@ -219,36 +219,51 @@ def test_the_fp4_regime_needs_aiters_fp4_bmm():
         "AITER FP4 BMM for the absorb"].ok
 
 
+FUSED = ("void vllm::concat_and_cache_mla_rope_fused_kernel<c10::BFloat16, c10::BFloat16, "
+         "false, unsigned short, unsigned short, (vllm::Fp8KVCacheDataType)0>")
+
+
 def test_the_report_names_the_kernels_of_absorb_rope_and_cache_write():
     served = checks.kernels_by_role(parse.Trace(**_names(decode_trace(2))))
     assert served == {
         "absorb": {"_batched_gemm_a8w8_a_per_token_group_prequant_w_per_batched_tensor_quant_"
                    "kernel": 2},
-        "RoPE": {"_fused_qk_rope_cat_and_cache_mla_kernel": 2},
+        "RoPE": {"rotary_embedding_kernel": 2, "concat_and_cache_mla_rope_fused_kernel": 2},
         "KV-cache write": {"concat_and_cache_mla_grouped_kernel": 2,
-                           "_fused_qk_rope_cat_and_cache_mla_kernel": 2}}
+                           "concat_and_cache_mla_rope_fused_kernel": 2}}
     off = checks.kernels_by_role(parse.Trace(**_names(decode_trace(
         2, {"VLLM_ROCM_USE_AITER": "0"}))))
     assert off["absorb"] == {"aten::bmm": 2}
-    assert off["RoPE"] == {"rotary_embedding_kernel": 2}
-    assert off["KV-cache write"] == {"concat_and_cache_mla_grouped_kernel": 2,
-                                     "concat_and_cache_mla_kernel": 2}
+    # AITER off, the draft's RoPE and cache write are the same fused launch.
+    assert off["RoPE"] == served["RoPE"]
+    assert off["KV-cache write"] == served["KV-cache write"]
 
 
-def test_the_draft_kv_write_follows_the_aiter_switch():
-    """AITER on: the draft's RoPE and KV write are aiter's fused Triton launch
-    (a trace without it fails); AITER off: vLLM's concat_and_cache_mla."""
-    names = _names(decode_trace(2))
-    fused, plain = "AITER fused RoPE + draft KV write", "draft KV write through concat_and_cache_mla"
-    assert _verdicts(parse.Trace(**names), drafts=2)[fused].ok
+@pytest.mark.parametrize("flags", [AITER_FP8BMM, AITER_OFF], ids=["aiter-fp8bmm", "aiter-off"])
+def test_the_draft_rope_and_kv_write_are_one_fused_launch(flags):
+    """AITER on and off: the draft layers' RoPE and KV write are vLLM's
+    concat_and_cache_mla_rope_fused (a trace without it fails), and the only
+    rotary_embedding launch is the context precompute's, once per draft step
+    (the unfused path, rotary_embedding then concat_and_cache_mla in each
+    draft layer, fails)."""
+    names = _names(decode_trace(2, None if flags.on else {"VLLM_ROCM_USE_AITER": "0"}))
+    fused, rope = "fused RoPE + draft KV write", "no separate RoPE launch in the draft layers"
+    verdicts = _verdicts(parse.Trace(**names), drafts=2, flags=flags)
+    assert verdicts[fused].ok and verdicts[rope].ok, (verdicts[fused], verdicts[rope])
+    assert FUSED in " ".join(names["kernels"])
+    # Two draft layers a step, each with its own rotary and cache launches.
     unfused = dict(names, kernels=[
-        "void vllm::concat_and_cache_mla_kernel<__hip_bfloat16>(...)" if "rope_cat" in k else k
+        new for k in names["kernels"]
+        for new in ([k.replace("concat_and_cache_mla_rope_fused", "rotary_embedding"),
+                     k.replace("concat_and_cache_mla_rope_fused", "concat_and_cache_mla")] * 2
+                    if "rope_fused" in k else [k])])
+    verdicts = _verdicts(parse.Trace(**unfused), drafts=2, flags=flags)
+    assert not verdicts[fused].ok and not verdicts[rope].ok, (verdicts[fused], verdicts[rope])
+    # aiter's fused Triton kernel (the dropped path) is not vLLM's.
+    aiters = dict(names, kernels=[
+        "_fused_qk_rope_cat_and_cache_mla_kernel" if "rope_fused" in k else k
         for k in names["kernels"]])
-    on = _verdicts(parse.Trace(**unfused), drafts=2)
-    assert not on[fused].ok and on[plain].detail.startswith("not checked")
-    off = _verdicts(parse.Trace(**unfused), drafts=2, flags=AITER_OFF)
-    assert off[plain].ok and off[fused].detail.startswith("not checked")
-    assert not _verdicts(parse.Trace(**names), drafts=2, flags=AITER_OFF)[plain].ok
+    assert not _verdicts(parse.Trace(**aiters), drafts=2, flags=flags)[fused].ok
 
 
 def test_the_identity_rope_fused_decode_is_checked_only_with_aiter_mla_off():

@@ -5,8 +5,8 @@ The workers (``harness/aiter.py``: ``interpreter_pool``) emulate MI300
 (gfx942, fp8 e4m3fnuz) or MI355 (gfx950: aiter's FP4 kernels refuse any other
 arch) with the aiter stand-in installed: only ``aiter.ops.triton`` imports,
 its package ``__init__`` (HIP) never runs. Shapes are the K3 DSpark draft
-layer's (kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64,
-v_head_dim 128), 8 and 64 heads, a few tokens.
+layer's absorbs (kv_lora_rank 512, qk_nope_head_dim 128, v_head_dim 128),
+8 and 64 heads, a few tokens.
 
 Tolerances. Each kernel is checked against a torch model of the same
 arithmetic (same quantization, fp32 accumulation), so what is left is the
@@ -33,7 +33,6 @@ from tests.verification.harness import aiter as aiter_harness
 
 KV_LORA_RANK = 512
 QK_NOPE = 128
-QK_ROPE = 64
 V_HEAD = 128
 BF16_ULP = 2.0**-7
 
@@ -307,84 +306,3 @@ def test_vllm_fp4_bmm_entry_point_is_not_in_the_pinned_aiter(gfx950):
     which vLLM 0.34.0 calls. When this fails, the pin has it: test it."""
     assert gfx950.map(_a16wfp4_probe, [None])[0] == "aiter.ops.triton.batched_gemm_a16wfp4"
 
-
-# --- fused QK RoPE + concat + MLA cache write (gfx942) ------------------------
-
-
-def _fused_rope_job(case):
-    heads, tokens, cache_dtype_name, is_neox = case
-    cache_dtype = getattr(torch, cache_dtype_name)
-    gen = torch.Generator().manual_seed(heads * 7 + tokens)
-    q_nope = torch.randn(tokens, heads, KV_LORA_RANK, generator=gen).bfloat16()
-    q_pe = torch.randn(tokens, heads, QK_ROPE, generator=gen).bfloat16()
-    k_nope = torch.randn(tokens, 1, KV_LORA_RANK, generator=gen).bfloat16()
-    k_pe = torch.randn(tokens, 1, QK_ROPE, generator=gen).bfloat16()
-    max_pos = 256
-    angles = torch.rand(max_pos, QK_ROPE // 2, generator=gen) * 6.3
-    cos, sin = angles.cos(), angles.sin()
-    positions = torch.randperm(max_pos, generator=gen)[:tokens]
-    # 4 pages of 16 slots, as vLLM's MLA cache (num_blocks, block_size, 576)
-    # viewed as (slots, 1, 576); the sentinel shows which rows were written.
-    cache = torch.full((4 * 16, 1, KV_LORA_RANK + QK_ROPE), 0.75).to(cache_dtype)
-    slots = torch.randperm(64, generator=gen)[:tokens]
-    k_scale = torch.tensor([0.5 if cache_dtype != torch.bfloat16 else 1.0])
-    inputs = dict(q_nope=q_nope, q_pe=q_pe, k_nope=k_nope, k_pe=k_pe, cos=cos, sin=sin,
-                  positions=positions, slots=slots, k_scale=k_scale, cache=cache.clone())
-    q_out, _, k_pe_out, cache = aiter_harness.fused_qk_rope_cat_and_cache_mla()(
-        q_nope, q_pe, k_nope, k_pe, cache, slots, positions, cos, sin, k_scale, is_neox,
-        apply_scale=cache_dtype != torch.bfloat16,
-    )
-    return inputs, q_out, k_pe_out, cache
-
-
-def rope_reference(x, cos, sin, is_neox):
-    """vLLM's RoPE (GPT-J interleaved pairs unless neox) on a table of
-    rotary_dim/2 frequencies per position, in fp32."""
-    x = x.float()
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    if is_neox:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
-
-
-ROPE_CASES = {
-    "8h-bf16": (8, 4, "bfloat16", False),
-    "64h-bf16": (64, 2, "bfloat16", False),
-    "8h-fp8": (8, 4, "float8_e4m3fnuz", False),
-    "8h-bf16-neox": (8, 3, "bfloat16", True),
-}
-
-
-@pytest.mark.parametrize("name", list(ROPE_CASES))
-def test_fused_qk_rope_cat_and_cache_mla_matches_torch(gfx942, name):
-    is_neox = ROPE_CASES[name][3]
-    inputs, q_out, k_pe_out, cache = gfx942.map(_fused_rope_job, [ROPE_CASES[name]])[0]
-    pos = inputs["positions"]
-    cos, sin = inputs["cos"][pos], inputs["sin"][pos]
-    q_pe = rope_reference(inputs["q_pe"], cos, sin, is_neox)
-    k_pe = rope_reference(inputs["k_pe"], cos, sin, is_neox)
-    want_q = torch.cat([inputs["q_nope"].float(), q_pe], dim=-1)
-    want_cache = inputs["cache"].clone()
-    row = torch.cat([inputs["k_nope"].float(), k_pe], dim=-1) / inputs["k_scale"]
-    want_cache[inputs["slots"]] = row.to(want_cache.dtype)
-
-    def check(got, want):
-        assert_matches(got, want, rtol=BF16_ULP, atol=1e-6)
-
-    def check_cache(got, want):
-        if got.dtype == torch.bfloat16:
-            check(got, want)
-            return
-        # fp8: the same rounding in both, up to one fp8 step from the two
-        # roundings of the bf16 RoPE result.
-        assert_matches(got.float(), want.float(), rtol=2.0**-3, atol=1e-6)
-        same = (got.view(torch.uint8) == want.view(torch.uint8)).float().mean()
-        assert same >= 0.98, f"only {same:.3f} of the fp8 cache bytes agree"
-
-    check(q_out, want_q)
-    check(k_pe_out, k_pe.to(torch.bfloat16))
-    check_cache(cache, want_cache)
-    _fails_on_perturbed(check, q_out, want_q)
-    _fails_on_perturbed(check_cache, cache, want_cache)

@@ -24,7 +24,7 @@ from scripts.perf.amd_resources.targets import Arch
 def production_resources(tree: Path, arch: Arch, jobs: int = 1) -> list[Resources]:
     with rocm_modules(tree, arch) as load:
         launches = (shapes.attention_launches(load, tree, arch) + shapes.sampler_launches(load)
-                    + shapes.aiter_fp8_bmm_launches(arch) + shapes.aiter_fused_rope_launches(arch))
+                    + shapes.aiter_fp8_bmm_launches(arch))
         return compile_all(launches, arch, jobs)
 
 
@@ -77,7 +77,7 @@ def report(results: dict[str, list[Resources]], failures: list[str], markdown: b
              "AMD backend, compiled on CPU; python -m scripts.perf.amd_resources):",
              render(HEADERS, summary_rows(everything), markdown), ""]
     lines += [f"note: {line}" for line in notes(everything)]
-    # The flat path is 0.34.0's and the aiter paths aiter's: what they break is
+    # The flat path is 0.34.0's and the aiter path aiter's: what they break is
     # shown, never a failure of the stack.
     lines += reference_findings(everything)
     if failures:

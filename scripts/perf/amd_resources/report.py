@@ -7,13 +7,11 @@ from collections.abc import Iterable
 from scripts.perf.amd_resources.resources import Resources
 
 # Paths whose kernels the stack adds or changes: the check holds them to the
-# GPU's limits. The flat path is the release's and the aiter paths aiter's (the
-# absorb with AITER's FP8 BMM on; the drafter's RoPE + KV-cache write with
-# AITER on), shown for reference.
+# GPU's limits. The flat path is the release's and the aiter path aiter's (the
+# absorb with AITER's FP8 BMM on), shown for reference.
 CHECKED_PATHS = ("block", "sampler")
 PATH_NAMES = {"block": "block (patch 5)", "sampler": "sampler (patch 8)",
-              "flat": "flat (release, ref.)", "aiter": "aiter FP8 BMM (ref.)",
-              "aiter rope": "aiter RoPE + cache (ref.)"}
+              "flat": "flat (release, ref.)", "aiter": "aiter FP8 BMM (ref.)"}
 # Constexprs that are the same at every production shape (512 + 64 latent,
 # 128 + 64 query head).
 _FIXED_BLOCKS = {"BLOCK_DV", "BLOCK_DMODEL", "BLOCK_DPE", "BLOCK_D_nope", "BLOCK_DK_nope",
@@ -91,7 +89,7 @@ def summary_rows(results: list[Resources]) -> list[list[str]]:
             for (arch, path, kernel, tile_text, launch, figures), (caches, count) in merged.items()]
 
 
-_PATH_ORDER = ("block", "sampler", "flat", "aiter", "aiter rope")
+_PATH_ORDER = ("block", "sampler", "flat", "aiter")
 
 
 def _kv_caches(result: Resources) -> tuple[tuple[str, str], ...]:

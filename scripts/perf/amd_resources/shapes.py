@@ -17,12 +17,6 @@ launches is recorded (kernel_tree.record_launches), never run.
   tokens with W_K and W_V: every one of those launches, from the installed
   aiter package (its Triton kernels only, through the test harness's stand-in
   for the package: its `__init__` needs a ROCm install).
-- With AITER on (`VLLM_ROCM_USE_AITER=1`), the drafter's RoPE and KV-cache
-  write of a decode batch are one launch of aiter's Triton
-  `fused_qk_rope_cat_and_cache_mla`
-  (`K3DSparkMLAAttention._rope_and_cache_write`): every head count, KV dtype
-  and KV storage, at the draft blocks' token counts, from the installed aiter
-  the same way.
 """
 
 from __future__ import annotations
@@ -70,17 +64,6 @@ QK_NOPE_HEAD_DIM = V_HEAD_DIM = 128
 AITER_PRECOMPILED_TOKENS = 1024
 AITER_FP8_BMM = ("aiter.ops.triton.batched_gemm_a8w8_a_per_token_group_prequant_w_per_"
                  "batched_tensor_quant")
-# The draft layer's fused RoPE + cache write: q (tokens, heads, 128 + 64) split
-# into its nope and rope views; k_pe (tokens, 1, 64) a view into
-# fused_qkv_a_proj's output row [q_c | kv_c | k_pe], q_c q_lora_rank wide
-# (1536, DeepseekV3Config's default, which K3DSparkConfig inherits; any
-# multiple of 16 compiles the same: the row's stride stays divisible by 16 and
-# k_pe 16-byte aligned); cos and sin the two halves of the fp32 table
-# (positions, 64); K3's GPT-J rotation (get_k3_mla_rope: is_neox_style False).
-AITER_FUSED_ROPE = "aiter.ops.triton.fused_kv_cache"
-Q_LORA_RANK = 1536
-ROPE_TABLE_ROWS = MAX_MODEL_LEN  # any table is under 2 GiB, where nothing changes
-ROPE_IS_NEOX = False
 VOCAB_SIZE = 163840
 NUM_SPECULATIVE_STEPS = 6
 SAMPLER_REQUESTS = 16
@@ -234,52 +217,4 @@ def aiter_fp8_bmm_launches(arch: Arch) -> list[Launch]:
             for launch in recorded:
                 launch.shape = {"path": "aiter", "heads": heads, "weight": name}
             launches += recorded
-    return launches
-
-
-def rope_cache_tokens() -> list[int]:
-    """The token counts of the decode batches the fused RoPE + cache write sees:
-    draft blocks of QUERY_LENS tokens at the block path's batch sizes (Triton
-    specializes the count only on being 1, which a block of 2 or more never is,
-    or divisible by 16: both other kinds are among these)."""
-    return sorted({reqs * query_len for reqs in BLOCK_BATCH_SIZES for query_len in QUERY_LENS})
-
-
-def aiter_fused_rope_launches(arch: Arch) -> list[Launch]:
-    """aiter's fused QK RoPE + MLA cache write as the ROCm drafter launches it
-    with AITER on (K3DSparkMLAAttention._rope_and_cache_write): per head count,
-    KV cache dtype (the platform's fp8 scaled by k_scale, bf16 unscaled) and
-    KV storage under and over 2 GiB, at every token count of
-    rope_cache_tokens()."""
-    from tests.verification.harness import aiter
-
-    aiter.install_stand_in()
-    rope_cache = importlib.import_module(AITER_FUSED_ROPE).fused_qk_rope_cat_and_cache_mla
-    width = KV_LORA_RANK + ROPE_DIM
-    qk_head_dim = QK_NOPE_HEAD_DIM + ROPE_DIM
-    cos, sin = _meta(ROPE_TABLE_ROWS, ROPE_DIM, dtype=torch.float32).chunk(2, dim=-1)
-    k_scale = _meta(1, dtype=torch.float32)
-    launches = []
-    for storage, kv, heads in itertools.product(KV_STORAGE_BYTES, kv_dtypes(arch),
-                                                HEADS_PER_RANK):
-        dtype = kv_dtypes(arch)[kv]
-        # vLLM's (pages, page size, 576) cache viewed as one row per slot.
-        cache = _meta(KV_STORAGE_BYTES[storage] // (width * dtype.itemsize), 1, width,
-                      dtype=dtype)
-        with record_launches() as recorded:
-            for tokens in rope_cache_tokens():
-                q = _meta(tokens, heads, qk_head_dim, dtype=torch.bfloat16)
-                qkv_lora = _meta(tokens, Q_LORA_RANK + width, dtype=torch.bfloat16)
-                kv_c_normed = _meta(tokens, KV_LORA_RANK, dtype=torch.bfloat16)
-                rope_cache(
-                    q[:, :, :QK_NOPE_HEAD_DIM], q[:, :, QK_NOPE_HEAD_DIM:],
-                    kv_c_normed.unsqueeze(1),
-                    qkv_lora[:, Q_LORA_RANK + KV_LORA_RANK:].unsqueeze(1), cache,
-                    _meta(tokens, dtype=torch.int64), _meta(tokens, dtype=torch.int64),
-                    cos, sin, k_scale, ROPE_IS_NEOX, apply_scale=kv == "fp8",
-                    q_out=_meta(tokens, heads, qk_head_dim, dtype=torch.bfloat16))
-        for launch, tokens in zip(recorded, rope_cache_tokens(), strict=True):
-            launch.shape = {"path": "aiter rope", "kv": kv, "kv_storage": storage,
-                            "heads": heads, "tokens": tokens}
-        launches += recorded
     return launches

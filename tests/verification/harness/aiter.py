@@ -44,13 +44,14 @@ processes that run the kernels:
   patches.
 - ``bf16_arithmetic``: numpy has no bf16, the interpreter keeps bf16 tensors as
   their raw 16 bits and adds, multiplies, compares and negates those integers
-  (aiter's RoPE rotation negates a bf16 tensor: ``-x``). Elementwise bf16
+  (aiter's RoPE rotation, which the GPU bench's ``aiter_rope_cache`` case runs
+  here, negates a bf16 tensor: ``-x``). Elementwise bf16
   arithmetic runs in fp32 and rounds to nearest even, as the GPU does;
   negation flips the sign bit.
 - ``rounded_bf16_casts``: the interpreter's fp32 -> bf16 cast truncates;
   compiled Triton rounds to nearest even (its default downcast rounding), as
-  vLLM's kernels do. aiter's fused RoPE + cache kernel casts its fp32
-  rotation this way, and is bit-identical to vLLM's rotary kernel only with it.
+  vLLM's kernels do. vLLM's Triton kernels (the drafter's q/kv RMSNorm, the
+  MLA decode) and aiter's cast their fp32 results to bf16 this way.
 """
 
 from __future__ import annotations
@@ -375,12 +376,6 @@ def fp4_bmms() -> dict[str, Callable]:
     }
 
 
-def fused_qk_rope_cat_and_cache_mla() -> Callable:
-    from aiter.ops.triton.fused_kv_cache import fused_qk_rope_cat_and_cache_mla as fn
-
-    return fn
-
-
 __all__ = [
     "HipOpUnavailable",
     "INTERPRETER_WORKAROUNDS",
@@ -388,7 +383,6 @@ __all__ = [
     "fp4_bmms",
     "fp4_quant",
     "fp8_bmm",
-    "fused_qk_rope_cat_and_cache_mla",
     "install_stand_in",
     "installed_folder",
     "interpreter_pool",
