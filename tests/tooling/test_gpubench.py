@@ -578,6 +578,18 @@ __global__ void other_kernel() {}
 }  // namespace vllm
 """
 
+CACHE_KERNELS_FUSED = """namespace vllm {
+
+template <typename qk_t, typename cos_sin_t, bool IS_NEOX>
+__global__ void concat_and_cache_mla_rope_fused_kernel(qk_t* q_pe) {
+  if (q_pe) { q_pe[0] = q_pe[0]; }
+}
+
+}  // namespace vllm
+
+void concat_and_cache_mla_rope_fused() { /* its host side, left behind */ }
+"""
+
 
 def _aiter_installed() -> Path:
     spec = importlib.machinery.PathFinder.find_spec("aiter")
@@ -600,11 +612,12 @@ def _case_value(name: str, variable: str):
 
 @pytest.fixture
 def native_project(project):
-    """A release that holds the csrc/ files aiter_rope_cache.py names (the two
+    """A release that holds the csrc/ files aiter_rope_cache.py names (the three
     kernel files shaped like the release's), and that case in the runner."""
     csrc = {path: b"// header\n" for path in _case_value("aiter_rope_cache", "CSRC")}
     csrc["csrc/pos_encoding_kernels.cu"] = POS_ENCODING.encode()
     csrc["csrc/cache_kernels.cu"] = CACHE_KERNELS.encode()
+    csrc["csrc/cache_kernels_fused.cu"] = CACHE_KERNELS_FUSED.encode()
     project.use_release(V1, files={**release_files(V1), **csrc})
     project.ok("apply")
     runner = project.root / "benchmarks" / "gpu"
@@ -686,6 +699,7 @@ def test_the_fused_rope_cache_case_runs_aiters_kernel_in_the_interpreter(native_
         import aiter_rope_cache as case
         text = case.release_kernels(Path("csrc"))
         print("rotary" in text, "concat_and_cache_mla_kernel" in text,
+              "concat_and_cache_mla_rope_fused_kernel" in text,
               "other_kernel" in text, "host side" in text)
         fused_kv_cache = case.load_aiter()
         print(Path(fused_kv_cache.__file__).resolve().is_relative_to(Path.cwd()))
@@ -726,5 +740,5 @@ def test_the_fused_rope_cache_case_runs_aiters_kernel_in_the_interpreter(native_
     # to match compiled Triton's); fp8: the kernel rounds the rotation once to
     # e4m3, the reference through bf16, so rope elements may be one step apart.
     assert result.stdout.splitlines() == [
-        "True True False False", "True",
+        "True True True False False", "True",
         "bf16 0 0 0 0 True True", "fp8 0 0 0 1 True True"]
