@@ -162,8 +162,11 @@ class Config:
     @property
     def aiter_arch(self) -> str | None:
         """The emulated arch of an AITER configuration, else None."""
-        modules = {**AITER_MODULES, **NVIDIA_AITER_MODULES}.items()
-        return {m: arch for arch, m in modules}.get(self.module)
+        for modules in AITER_MODULES, NVIDIA_AITER_MODULES:
+            for arch, module in modules.items():
+                if module == self.module:
+                    return arch
+        return None
 
     @property
     def label(self) -> str:
