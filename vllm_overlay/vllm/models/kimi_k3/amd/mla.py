@@ -468,6 +468,10 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
         k_pe = k_pe.unsqueeze(1)
 
         output_shape = (num_tokens, self.num_heads * self.v_head_dim)
+        # Only a layer with a rotary embedding can fuse it into the cache write.
+        rope_in_cache_write = (
+            self.rotary_emb is not None and self._rope_in_kv_cache_write
+        )
 
         attn_metadata = layer = kv_cache = slot_mapping = None
         fuse = self._fused_qk_prep and not self.dcp_q_replicate
@@ -491,7 +495,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 heads *= q_proj_layer.group_size
             q = q.view(-1, heads, self.qk_head_dim)
 
-            if self.rotary_emb is not None and not self._rope_in_kv_cache_write:
+            if self.rotary_emb is not None and not rope_in_cache_write:
                 q[..., self.qk_nope_head_dim :], k_pe = self.rotary_emb(
                     positions, q[..., self.qk_nope_head_dim :], k_pe
                 )
@@ -517,7 +521,7 @@ class KimiK3MultiHeadLatentAttentionWrapper(MultiHeadLatentAttentionWrapper):
                 kv_cache,
                 slot_mapping,
             )
-        elif self._rope_in_kv_cache_write:
+        elif rope_in_cache_write:
             attn_out = self._rope_kv_cache_write_and_attend(
                 positions, q, kv_c_normed, k_pe, output_shape
             )
