@@ -182,3 +182,45 @@ def accuracy_gate(candidate: Accuracy, reference: Accuracy, sigmas: float) -> Ga
         lines.append(f"{metric}: {score:.4f} vs {ref:.4f} (difference {score - ref:+.4f}, "
                      f"noise ±{noise:.4f}) {'ok' if ok else 'OUTSIDE NOISE'}")
     return Gate(candidate.config, passed, lines)
+
+
+# --- the draft's attention backend: docs/hardware-runbook.md, step 4c ----------
+
+DRAFT_RULE = ("TRITON_MLA unless ROCM_AITER_MLA is both correct (its non-causal decode "
+              "matched TRITON_MLA's in the device test) and faster: its mean ITL (time per "
+              "decode step: one draft block and its verification) lower by more than "
+              "{margin:.0%} in geometric mean over the cells, with an acceptance length no "
+              "more than {margin:.0%} lower")
+
+
+def _geomean_ratio(num: list[float], den: list[float]) -> float:
+    return math.exp(sum(math.log(a / b) for a, b in zip(num, den)) / len(num))
+
+
+def draft_backend_verdict(correct: bool, triton: list[dict], aiter: list[dict],
+                          margin: float) -> dict:
+    """Which backend a K3 draft should use on gfx950 with AITER on, by DRAFT_RULE,
+    from each backend's cells (same order: mean_itl_ms, acceptance_length)."""
+    def verdict(backend: str, reason: str, **figures) -> dict:
+        return {"backend": backend, "reason": reason, **figures}
+
+    if not correct:
+        return verdict("TRITON_MLA", "ROCM_AITER_MLA's non-causal decode was not shown to "
+                       "match TRITON_MLA's (device test failed, skipped or not run)")
+    keys = ("mean_itl_ms", "acceptance_length")
+    if not triton or len(triton) != len(aiter) or any(
+            not c.get(k) for c in triton + aiter for k in keys):
+        return verdict("TRITON_MLA", "no complete A/B of the two backends' serving runs")
+    speedup = _geomean_ratio([c["mean_itl_ms"] for c in triton],
+                             [c["mean_itl_ms"] for c in aiter])
+    acceptance = _geomean_ratio([c["acceptance_length"] for c in aiter],
+                                [c["acceptance_length"] for c in triton])
+    figures = {"speedup": speedup, "acceptance_ratio": acceptance}
+    if acceptance < 1 - margin:
+        return verdict("TRITON_MLA", f"ROCM_AITER_MLA's acceptance length is "
+                       f"{1 - acceptance:.1%} lower", **figures)
+    if speedup <= 1 + margin:
+        return verdict("TRITON_MLA", f"ROCM_AITER_MLA is {speedup - 1:+.1%} faster per decode "
+                       f"step, not more than {margin:.0%}", **figures)
+    return verdict("ROCM_AITER_MLA", f"correct, and {speedup - 1:.1%} faster per decode step "
+                   f"(acceptance {acceptance - 1:+.1%})", **figures)

@@ -16,6 +16,11 @@ SPECULATIVE_CONFIG = {
     "rejection_sample_method": "block",
 }
 TARGET_MODEL = "moonshotai/Kimi-K3"
+# The draft's attention A/B (MI355X, AITER on): the speculative config's
+# attention_backend of each run; "" leaves it unset, so vLLM chooses.
+DRAFT_BACKENDS = ("TRITON_MLA", "ROCM_AITER_MLA", "")
+# The device test of AITER's non-causal decode against TRITON_MLA's.
+DRAFT_TEST = "scripts/runbook/device_tests/test_draft_attention.py"
 
 
 
@@ -129,6 +134,12 @@ class Config:
                                      "--package", "/runbook/kernels/gpubench")
     kernel_sweep: tuple[str, ...] = ("python3", "/runbook/kernels/gpubench/cases/mla_decode.py",
                                      "--sweep")
+    # The draft's attention A/B: backends, (concurrency, output length) cells,
+    # and the margin ROCM_AITER_MLA must beat TRITON_MLA by to be recommended.
+    draft_backends: tuple[str, ...] = DRAFT_BACKENDS
+    draft_cells: tuple[tuple[int, int], ...] = ((1, 1024), (16, 1024))
+    draft_margin: float = 0.03
+    draft_test: str = DRAFT_TEST  # relative to the project
     # Timeouts, seconds. Loading Kimi-K3 on 8 GPUs takes a while.
     server_ready_timeout: float = 3600
     bench_timeout: float = 3600
@@ -147,6 +158,13 @@ class Config:
     @property
     def speculative_json(self) -> str:
         return json.dumps(self.speculative_config, separators=(", ", ": "))
+
+    def speculative_json_with(self, backend: str) -> str:
+        """The speculative config with the draft's attention backend `backend`
+        ("": none named, vLLM chooses)."""
+        spec = {k: v for k, v in self.speculative_config.items() if k != "attention_backend"}
+        return json.dumps({**spec, **({"attention_backend": backend} if backend else {})},
+                          separators=(", ", ": "))
 
     @property
     def tests_image(self) -> str:

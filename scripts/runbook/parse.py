@@ -234,5 +234,21 @@ def best_tiles(text: str) -> list[dict]:
     return found
 
 
+# --- vllm serve's log: the attention backends it chose ----------------------
+
+# platforms/rocm.py (0.34.0): "Using X backend (selected via ...)", "Using X
+# backend out of potential backends: ...", "... Overriding with X out of ...".
+_BACKEND_CHOSEN = re.compile(r"(?:Using|Overriding with) ([A-Z][A-Z0-9_]*) (?:backend|out of)")
+
+
+def served_backends(log: Path) -> list[str]:
+    """The attention backends a server's log says were chosen (target and draft
+    layers alike: vLLM logs each choice once), in order; none if no log."""
+    if not log.exists():
+        return []
+    found = _BACKEND_CHOSEN.findall(log.read_text(errors="replace"))
+    return list(dict.fromkeys(found))
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-").lower()

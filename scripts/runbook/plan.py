@@ -82,16 +82,21 @@ def one_shot(config: Config, image: str, argv: list[str], env: dict | None = Non
 
 
 def server(config: Config, label: str, regime: str, *, speculative: bool = True,
-           profile_dir: str | None = None, suffix: bool = True) -> Server:
+           profile_dir: str | None = None, suffix: bool = True,
+           draft_backend: str | None = None) -> Server:
     """`label`'s server under the AITER `regime`; its container is named after
-    both (`suffix=False`: after the label alone, as the sweep's are)."""
+    both (`suffix=False`: after the label alone, as the sweep's are).
+    `draft_backend` replaces the speculative config's attention backend ("":
+    none named)."""
     container = f"k3-runbook-{label.lower()}" + (f"-{regime}" if suffix else "") + (
-        "-profile" if profile_dir else "")
+        "-profile" if profile_dir else "") + (
+        f"-draft-{draft_label(draft_backend).lower()}" if draft_backend is not None else "")
     serve = ["vllm", "serve", config.model, "--port", str(config.port),
              "--tensor-parallel-size", str(config.machine.tensor_parallel_size),
              "--trust-remote-code", "--seed", "0", *config.serve_args]
     if speculative:
-        serve += ["--speculative-config", config.speculative_json]
+        serve += ["--speculative-config", config.speculative_json if draft_backend is None
+                  else config.speculative_json_with(draft_backend)]
     if profile_dir:
         serve += ["--profiler-config", json.dumps(
             {"profiler": "torch", "torch_profiler_dir": profile_dir,
@@ -135,12 +140,16 @@ def stack_test_files(config: Config) -> list[str]:
                             if e["patched_sha256"] != "deleted"])
 
 
-def tests(config: Config) -> list[Session]:
+def _tests_mounts(config: Config) -> tuple[str, ...]:
+    """vLLM's tests/ and pytest config from the patched tree; `vllm` itself is
+    the image's installed package (the source tree is not on sys.path)."""
     tree = config.project_root / "build" / "vllm"
-    # vLLM's tests/ and pytest config from the patched tree; `vllm` itself is
-    # the image's installed package (the source tree is not on sys.path).
-    mounts = (f"--volume={tree / 'tests'}:{TESTS_IN_CONTAINER}/tests:ro",
-              f"--volume={tree / 'pyproject.toml'}:{TESTS_IN_CONTAINER}/pyproject.toml:ro")
+    return (f"--volume={tree / 'tests'}:{TESTS_IN_CONTAINER}/tests:ro",
+            f"--volume={tree / 'pyproject.toml'}:{TESTS_IN_CONTAINER}/pyproject.toml:ro")
+
+
+def tests(config: Config) -> list[Session]:
+    mounts = _tests_mounts(config)
     argv = ["python3", "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider",
             f"--junitxml={IN_CONTAINER}/tests/junit.xml", *stack_test_files(config)]
     command = Command("the stack's vLLM tests in B", one_shot(
@@ -263,6 +272,57 @@ def kernels(config: Config) -> list[Session]:
                 for title, argv in titled if argv]
     return [Session("4b. kernel benchmark (B)", commands,
                     note="optional: skipped when the project has no such benchmark")]
+
+
+def draft_label(backend: str | None) -> str:
+    return backend or "unset"
+
+
+DRAFT_FOLDER = "draft-attention"
+
+
+def draft_applies(config: Config) -> bool:
+    """Only gfx950 has AITER's non-causal decode: on gfx942 vLLM 0.34.0 runs
+    every K3 draft on TRITON_MLA, so there is nothing to compare."""
+    return config.machine.gcn_arch == "gfx950"
+
+
+def draft_attention(config: Config) -> list[Session]:
+    """The draft's attention: AITER's non-causal decode against TRITON_MLA's
+    (a device test), then B served once per draft backend, AITER on."""
+    title = "4c. draft attention (B)"
+    if not draft_applies(config):
+        return [Session(title, [], note="MI355X only: on gfx942 vLLM 0.34.0 runs a K3 "
+                        "draft on TRITON_MLA, the only candidate")]
+    regime = config.sweep_regime
+    argv = ["python3", "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider",
+            "--rootdir", TESTS_IN_CONTAINER, "-c", f"{TESTS_IN_CONTAINER}/pyproject.toml",
+            f"--junitxml={IN_CONTAINER}/{DRAFT_FOLDER}/junit.xml",
+            f"{STACK_IN_CONTAINER}/{config.draft_test}"]
+    check = Command("AITER's non-causal draft decode against TRITON_MLA's, in B",
+                    one_shot(config, config.tests_image, argv, env=config.env(regime),
+                             extra_mounts=_tests_mounts(config), workdir=TESTS_IN_CONTAINER),
+                    config.tests_timeout, "draft_pytest",
+                    done=(f"{DRAFT_FOLDER}/junit.xml",), check=False)
+    sessions = [Session(f"{title}: correctness", [check])]
+    for backend in config.draft_backends:
+        sessions.append(_draft_session(config, backend, title))
+    return sessions
+
+
+def _draft_session(config: Config, backend: str, title: str) -> Session:
+    label, regime = draft_label(backend), config.sweep_regime
+    srv = server(config, "B", regime, draft_backend=backend)
+    commands = [Command(
+        f"B, draft on {label}: concurrency {c}, output length {o}",
+        _bench(config, srv, f"{IN_CONTAINER}/{DRAFT_FOLDER}/{label}/c{c}-o{o}.json",
+               concurrency=c, output_len=o,
+               num_prompts=max(c * config.prompts_per_concurrency, 8)),
+        config.bench_timeout, "draft_bench", done=(f"{DRAFT_FOLDER}/{label}/c{c}-o{o}.json",),
+        meta={"config": "B", "backend": label, "concurrency": c, "output_len": o})
+        for c, o in config.draft_cells]
+    return Session(f"{title}: attention_backend {label}, {REGIMES[regime].title}", commands,
+                   srv)
 
 
 def describe(config: Config, sessions: list[Session]) -> str:

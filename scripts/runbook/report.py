@@ -185,7 +185,7 @@ def _summary(config: Config, out: Path, rows, ratios, gate, plots, no_plots,
     lines += _verdicts(out, rows, ratios, gate)
     lines += _tests_section(out) + _profile_section(out) + _accuracy_section(gate)
     lines += _sweep_section(ratios, gate, plots, no_plots, problems)
-    lines += _kernels_section(out) + _versions_section(out)
+    lines += _kernels_section(out) + _draft_section(out) + _versions_section(out)
     return "\n".join(lines) + "\n"
 
 
@@ -214,6 +214,9 @@ def _verdicts(out: Path, rows, ratios, gate) -> list[str]:
                 f"{r} {_gate_word(gate['regimes'][r], 'B')}" for r in others))
     else:
         lines.append("- accuracy: not run; no performance is reported without it")
+    if draft := _read(out / "draft-attention/summary.json"):
+        lines += [f"- K3 draft attention backend, {arch}: {backend}"
+                  for arch, backend in _draft_backends(draft)]
     if ratios:
         parts = [f"{label} {_fmt(_geomean([r[f'B/A {c}'] for r in ratios]), 3)}"
                  for c, label, _ in RATIOS]
@@ -348,6 +351,52 @@ def _best_tiles_lines(best: list[dict]) -> list[str]:
              "| --- | --- | --- | ---: | ---: | ---: |"]
     lines += [f"| {t['arch']} | {t['kv']} | `{t['tile']}` | {t['ms']:.4f} | "
               f"{t['shipped_ms']:.4f} | {t['shipped_ms'] / t['ms']:.2f}x |" for t in best]
+    return lines + [""]
+
+
+_GFX942 = "gfx942 (MI300X)"
+_GFX950 = "gfx950 (MI355X), AITER on"
+
+
+def _draft_backends(draft: dict) -> list[tuple[str, str]]:
+    """(architecture, the backend a K3 draft should use there, and why)."""
+    gfx942 = ("TRITON_MLA (vLLM 0.34.0 has no AITER non-causal decode on gfx942: the "
+              "only candidate)")
+    if not draft["applies"]:
+        return [(_GFX942, gfx942),
+                (_GFX950, "not measured on this machine: run the runbook with --machine "
+                          "mi355x")]
+    v = draft["verdict"]
+    return [(_GFX942, gfx942), (_GFX950, f"**{v['backend']}**: {v['reason']}")]
+
+
+def _draft_section(out: Path) -> list[str]:
+    draft = _read(out / "draft-attention/summary.json")
+    if not draft:
+        return []
+    lines = ["## 4c. The draft's attention backend", "",
+             "A K3 draft does not inherit the target's --attention-backend: with none in "
+             "the speculative config, vLLM 0.34.0 picks ROCM_AITER_MLA on gfx950 with AITER "
+             "on, TRITON_MLA otherwise (AMD's recipe pins TRITON_MLA).", ""]
+    lines += [f"- {arch}: {backend}" for arch, backend in _draft_backends(draft)]
+    if not draft["applies"]:
+        return lines + [""]
+    t = draft["test"]
+    lines += ["", f"Rule: {draft['rule']}.", "",
+              f"Device test (`draft-attention/junit.xml`, AITER's non-causal decode against "
+              f"TRITON_MLA's and a torch reference): {'passed' if t['ok'] else '**FAILED**'}: "
+              f"{t['passed']} passed, {t['failed']} failed, {len(t['skipped'])} skipped.", "",
+              f"B served once per draft backend ({draft['regime']}); mean ITL is the time "
+              "per decode step (one draft block and its verification):", "",
+              "| attention_backend | backends in the server log | concurrency | output len "
+              "| mean ITL (ms) | mean TPOT (ms) | output tok/s | acceptance length |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for label, run in draft["runs"].items():
+        logged = ", ".join(run["log_backends"]) or "none found"
+        lines += [f"| {label} | {logged} | {c['concurrency']} | {c['output_len']} | "
+                  f"{_fmt(c['mean_itl_ms'])} | {_fmt(c['mean_tpot_ms'])} | "
+                  f"{_fmt(c['output_throughput'])} | {_fmt(c['acceptance_length'])} |"
+                  for c in run["cells"]]
     return lines + [""]
 
 

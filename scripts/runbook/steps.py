@@ -381,6 +381,66 @@ def kernels(rb: Runbook) -> None:
                                            "best_tiles": best_tiles})
 
 
+# --- 4c. the draft's attention backend (MI355X) ---------------------------------
+
+
+def draft_attention(rb: Runbook) -> None:
+    """AITER's non-causal draft decode against TRITON_MLA's: a device test, then
+    B served with each draft backend; the verdict by checks.DRAFT_RULE."""
+    config, folder = rb.config, plan.DRAFT_FOLDER
+    check, *serving = plan.draft_attention(config)
+    if not plan.draft_applies(config):
+        rb.say(f"{check.title}\n  skip: {check.note}")
+        rb.write_json(f"{folder}/summary.json", {"applies": False,
+                                                 "arch": config.machine.gcn_arch})
+        return
+    rb.sessions([check])
+    tested = _draft_test(rb)
+    rb.sessions(serving)
+    runs = {s.commands[0].meta["backend"]: _draft_run(rb, s) for s in serving}
+    verdict = checks.draft_backend_verdict(
+        tested["ok"], runs.get("TRITON_MLA", {}).get("cells", []),
+        runs.get("ROCM_AITER_MLA", {}).get("cells", []), config.draft_margin)
+    rb.write_json(f"{folder}/summary.json", {
+        "applies": True, "arch": config.machine.gcn_arch, "regime": config.sweep_regime,
+        "rule": checks.DRAFT_RULE.format(margin=config.draft_margin), "test": tested,
+        "runs": runs, "verdict": verdict})
+    rb.say(f"  draft attention on {config.machine.gcn_arch}: {verdict['backend']} "
+           f"({verdict['reason']})")
+    if not tested["ok"]:
+        raise StepError(f"draft attention: ROCM_AITER_MLA's non-causal decode was not shown "
+                        f"to match TRITON_MLA's ({tested['failed']} failed, "
+                        f"{len(tested['skipped'])} skipped, {tested['passed']} passed); see "
+                        f"{folder}/summary.json and logs/{parse.slug(check.commands[0].title)}"
+                        ".log")
+
+
+def _draft_test(rb: Runbook) -> dict:
+    run = parse.junit(rb.path(f"{plan.DRAFT_FOLDER}/junit.xml"))
+    return {"ok": run.failed == 0 and not run.skipped and run.passed > 0,
+            "passed": run.passed, "failed": run.failed,
+            "skipped": [{"test": t, "reason": r} for t, r in run.skipped]}
+
+
+def _draft_run(rb: Runbook, session: plan.Session) -> dict:
+    """One draft backend's cells, and the backends its server's log names."""
+    cells = []
+    for command in session.commands:
+        figures = parse.bench_result(rb.path(command.done[0]))
+        cells.append({"concurrency": command.meta["concurrency"],
+                      "output_len": command.meta["output_len"],
+                      "mean_itl_ms": figures["mean_itl_ms"],
+                      "mean_tpot_ms": figures["mean_tpot_ms"],
+                      "output_throughput": figures["output_throughput"],
+                      "acceptance_length": figures["spec_decode_acceptance_length"],
+                      "file": command.done[0]})
+    assert session.server is not None
+    log = rb.path(f"logs/{session.server.container}.log")
+    return {"speculative_config": session.server.start[session.server.start.index(
+        "--speculative-config") + 1], "log_backends": parse.served_backends(log),
+        "log": rb.rel(log), "cells": cells}
+
+
 def report(rb: Runbook) -> None:
     from scripts.runbook.report import write_report
 
@@ -406,6 +466,7 @@ STEPS = (
     Step("accuracy", accuracy, plan.accuracy),
     Step("sweep", sweep, plan.sweep),
     Step("kernels", kernels, plan.kernels),
+    Step("draft-attention", draft_attention, plan.draft_attention),
     # Written from whatever the others gathered, also when one fails (cli.run).
     Step("report", report, plan.report),
 )

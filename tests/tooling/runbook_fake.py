@@ -40,6 +40,12 @@ class Scenario:
     no_pytest_in_b: bool = False  # a release image: no test requirements
     polls_until_ready: int = 3
     port_taken: bool = False  # another server already answers on the port
+    # The draft's attention A/B (MI355X): AITER's non-causal decode ignores the
+    # flag (its device test fails, its drafts are rejected more), and how much
+    # faster its decode step is than TRITON_MLA's.
+    aiter_decode_causal: bool = False
+    aiter_speedup: float = 1.0
+    gcn_arch: str | None = None  # what the images see (default: the sample's gfx942)
 
 
 @dataclass
@@ -52,6 +58,7 @@ class RecordingExecutor:
     serving: str | None = None  # the config being served
     serving_env: dict = field(default_factory=dict)  # its --env=KEY=VALUE flags
     _profile_dir: str | None = None
+    draft_backend: str | None = None  # the served speculative config's, if any
 
     # --- Executor ------------------------------------------------------------
 
@@ -98,7 +105,19 @@ class RecordingExecutor:
     def _other(self, argv, meta):
         if argv[1:3] == ["rm", "--force"]:
             self.serving = None
+        if argv[1] == "logs" and self.serving:
+            return 0, self._server_log()
         return 0, ""
+
+    def _server_log(self) -> str:
+        """What vLLM 0.34.0 logs choosing the draft's attention on gfx950 with
+        AITER on: the pinned backend, else ROCM_AITER_MLA."""
+        line = "INFO 11-30 04:10:00 [rocm.py:828] Using {} backend (selected via " \
+               "--attention-backend).\n"
+        if self.draft_backend is None:
+            line = "INFO 11-30 04:10:00 [rocm.py:928] Using {} backend out of potential " \
+                   "backends: ['ROCM_AITER_MLA', 'TRITON_MLA'].\n"
+        return "INFO starting\n" + line.format(self.draft_backend or "ROCM_AITER_MLA")
 
     def _engine(self, argv, meta):
         return 0, "Server:\n Server Version: 28.2.2\n"
@@ -110,6 +129,8 @@ class RecordingExecutor:
 
     def _probe(self, argv, meta):
         probe = json.loads((SAMPLES / "probe_B.json").read_text())
+        if self.scenario.gcn_arch:
+            probe["gcn_arch"] = self.scenario.gcn_arch
         if meta["config"] == "B" and self.scenario.no_pytest_in_b:
             probe["pytest"] = None
         if meta["config"] == "A":
@@ -122,6 +143,9 @@ class RecordingExecutor:
         self.serving = meta["config"]
         self.serving_env = dict(a[len("--env="):].split("=", 1) for a in argv
                                 if a.startswith("--env=") and "=" in a[len("--env="):])
+        if "--speculative-config" in argv:
+            spec = json.loads(self.option(argv, "--speculative-config"))
+            self.draft_backend = spec.get("attention_backend")
         if "--profiler-config" in argv:
             self._profile_dir = json.loads(self.option(argv, "--profiler-config"))[
                 "torch_profiler_dir"]
@@ -170,6 +194,39 @@ class RecordingExecutor:
             return 0, "truncated\n"
         write_json(target, bench_figures(label, c, o,
                                          num_prompts=int(self.option(argv, "--num-prompts"))))
+        return 0, "============ Serving Benchmark Result ============\n"
+
+    def _draft_pytest(self, argv, meta):
+        """The draft-attention device test: every case passes, unless AITER's
+        decode is causal (then the AITER cases fail)."""
+        cases = [f"{h}-{q}-{p}-{kv}" for h in (8, 16) for q in (3, 6, 8) for p in (16, 64)
+                 for kv in ("bf16", "fp8")]
+        failure = ('<failure message="AssertionError: ROCM_AITER_MLA differs from the '
+                   'non-causal reference by 1.8125" />')
+        bad = self.scenario.aiter_decode_causal
+        junit = "".join(
+            f'<testcase classname="test_draft_attention" name="test_aiter_non_causal_draft_'
+            f'block_matches_triton_mla[{c}]" time="0.8">{failure if bad else ""}</testcase>'
+            for c in cases)
+        target = self.host(self.option(argv, "--junitxml"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(f'<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite '
+                          f'name="pytest">{junit}</testsuite></testsuites>\n')
+        return (1 if bad else 0), f"{len(cases)} {'failed' if bad else 'passed'}\n"
+
+    def _draft_bench(self, argv, meta):
+        """B's cell with the draft on one backend: AITER's decode step is
+        `aiter_speedup` times faster; a causal AITER decode loses acceptance."""
+        result = bench_figures("B", meta["concurrency"], meta["output_len"],
+                               num_prompts=int(self.option(argv, "--num-prompts")))
+        if (self.draft_backend or "ROCM_AITER_MLA") == "ROCM_AITER_MLA":
+            speedup = self.scenario.aiter_speedup
+            result["mean_itl_ms"] /= speedup
+            result["mean_tpot_ms"] /= speedup
+            result["output_throughput"] *= speedup
+            if self.scenario.aiter_decode_causal:
+                result["spec_decode_acceptance_length"] *= 0.8
+        write_json(self._bench_file(argv), result)
         return 0, "============ Serving Benchmark Result ============\n"
 
     def _lm_eval(self, argv, meta):
