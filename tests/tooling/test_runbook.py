@@ -63,6 +63,10 @@ def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch,
                  "candidate: release + this stack's overlay, AMD drafter (image B)")
     fp8 = "AITER on + FP8 BMM"
     others = [r for r in regimes if r != fp8]
+    # The draft's attention A/B runs on MI355X only (gfx942 has one candidate).
+    backends = ("TRITON_MLA", "ROCM_AITER_MLA", "unset") if arch == "gfx950" else ()
+    draft = [f"## 4c. draft attention (B){': correctness' if backends else ''}",
+             *(f"## 4c. draft attention (B): attention_backend {b}, {fp8}" for b in backends)]
     assert headers == [
         "## 0. preflight", "## 1. device tests (B)",
         *(f"## 2. profile (B): {r}" for r in regimes),
@@ -71,11 +75,11 @@ def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch,
         f"## 3. accuracy: {b}, {fp8}",
         *(f"## 3. accuracy: {config}, {r}" for r in others for config in (ref, b)),
         f"## 4. sweep: {a}, {fp8}", f"## 4. sweep: {b}, {fp8}",
-        "## 4b. kernel benchmark (B)", "## 5. report"]
+        "## 4b. kernel benchmark (B)", *draft, "## 5. report"]
     commands = [ln[2:] for ln in text.splitlines() if ln.startswith("$ ")]
     starts = [c for c in commands if c.startswith("docker run --detach")]
     n = len(regimes)
-    assert len(starts) == n + (3 + 2 * (n - 1)) + 2  # profile, accuracy, sweep A and B
+    assert len(starts) == n + (3 + 2 * (n - 1)) + 2 + len(backends)  # + the draft A/B
     assert all("--tensor-parallel-size 8" in c and "--port 8123" in c for c in starts)
     assert all("--env=HF_TOKEN " in c for c in starts)
     # Every server sets each AITER switch, as its regime says.
@@ -83,15 +87,17 @@ def test_dry_run_prints_the_whole_plan_and_runs_nothing(tmp_path, machine, arch,
                 for c in starts]
     assert all(len(s) == 3 for s in switches)
     assert sum(s[0] == "--env=VLLM_ROCM_USE_AITER=0" for s in switches) == 1 + 2
-    assert sum("--env=VLLM_ROCM_USE_AITER_FP8BMM=1" in s for s in switches) == 1 + 3 + 2
+    assert sum("--env=VLLM_ROCM_USE_AITER_FP8BMM=1" in s for s in switches) == 1 + 3 + 2 + len(
+        backends)
     assert sum("--env=VLLM_ROCM_USE_AITER_FP4BMM=1" in s for s in switches) == (
         1 + 2 if arch == "gfx950" else 0)
     spec = json.dumps(SPECULATIVE_CONFIG, separators=(", ", ": "))
-    assert sum(f"--speculative-config '{spec}'" in c for c in starts) == len(starts) - n
+    assert sum(f"--speculative-config '{spec}'" in c for c in starts) == len(starts) - n - len(
+        backends)
     assert sum("registry/vllm-rocm:v0.34.0 serve" in c for c in starts) == n + 2  # refs, A, A
-    assert sum("registry/k3:ci serve" in c for c in starts) == 2 * n + 1
+    assert sum("registry/k3:ci serve" in c for c in starts) == 2 * n + 1 + len(backends)
     bench = [c for c in commands if " vllm bench serve " in c]
-    assert len(bench) == n + 2 * 3 * 4
+    assert len(bench) == n + 2 * 3 * 4 + 2 * len(backends)
     assert "wait until http://127.0.0.1:8123/health answers 200" in text
     lm_eval = [c for c in commands if "--model local-completions" in c]
     assert len(lm_eval) == 2 * n + 1
@@ -365,6 +371,92 @@ def test_missing_kernel_benchmark_is_skipped(config):
     assert summary["available"] is False
     assert "Skipped: the project has no such benchmark (optional)." in (
         config.out_dir / "report/summary.md").read_text()
+
+
+# --- the draft's attention backend (MI355X) ------------------------------------------
+
+
+@pytest.fixture
+def mi355x(tmp_path) -> Config:
+    return Config(MACHINES["mi355x"], tmp_path / "out", project_checkout(tmp_path / "project"),
+                  steps=("preflight", "draft-attention", "report"))
+
+
+def _draft_summary(config: Config) -> tuple[dict, str]:
+    summary = json.loads((config.out_dir / "draft-attention/summary.json").read_text())
+    return summary, (config.out_dir / "report/summary.md").read_text()
+
+
+def test_draft_attention_serves_b_once_per_draft_backend(mi355x):
+    """B with the speculative config's attention_backend TRITON_MLA, ROCM_AITER_MLA
+    and none (vLLM's choice, read from the server log), AITER on; the device test
+    of AITER's non-causal decode runs first, on the GPUs, from the project."""
+    code, executor, _ = run(mi355x, Scenario(gcn_arch="gfx950"))
+    assert code == 0
+    (test,) = commands_with(executor, "/k3-stack/scripts/runbook/device_tests/"
+                                      "test_draft_attention.py")
+    assert "--env=VLLM_ROCM_USE_AITER=1" in test and "--device=/dev/kfd" in test
+    starts = commands_with(executor, "--detach")
+    specs = [json.loads(c[c.index("--speculative-config") + 1]) for c in starts]
+    assert [s.get("attention_backend") for s in specs] == ["TRITON_MLA", "ROCM_AITER_MLA", None]
+    assert all("--env=VLLM_ROCM_USE_AITER=1" in c for c in starts)
+    summary, _ = _draft_summary(mi355x)
+    assert {k: v["log_backends"] for k, v in summary["runs"].items()} == {
+        "TRITON_MLA": ["TRITON_MLA"], "ROCM_AITER_MLA": ["ROCM_AITER_MLA"],
+        "unset": ["ROCM_AITER_MLA"]}
+    assert [(c["concurrency"], c["output_len"]) for c in summary["runs"]["unset"]["cells"]] == [
+        (1, 1024), (16, 1024)]
+
+
+@pytest.mark.parametrize("speedup, backend, reason", [
+    (1.10, "ROCM_AITER_MLA", "correct, and 10.0% faster per decode step"),
+    (1.02, "TRITON_MLA", "ROCM_AITER_MLA is +2.0% faster per decode step, not more than 3%"),
+])
+def test_draft_attention_verdict_follows_the_rule(mi355x, speedup, backend, reason):
+    code, _, _ = run(mi355x, Scenario(gcn_arch="gfx950", aiter_speedup=speedup))
+    assert code == 0
+    summary, report = _draft_summary(mi355x)
+    assert summary["verdict"]["backend"] == backend
+    assert summary["verdict"]["reason"].startswith(reason)
+    assert ("- K3 draft attention backend, gfx942 (MI300X): TRITON_MLA (vLLM 0.34.0 has no "
+            "AITER non-causal decode on gfx942: the only candidate)") in report
+    assert f"- K3 draft attention backend, gfx950 (MI355X), AITER on: **{backend}**: " \
+           f"{reason}" in report
+    assert "| ROCM_AITER_MLA | ROCM_AITER_MLA | 16 | 1024 |" in report
+
+
+def test_a_causal_aiter_decode_fails_the_step_and_keeps_triton(mi355x, capsys):
+    """AITER's decode ignoring causal=False: its device test fails; faster or
+    not, the draft stays on TRITON_MLA, and the run ends with one line."""
+    code, _, err = run(mi355x, Scenario(gcn_arch="gfx950", aiter_decode_causal=True,
+                                        aiter_speedup=1.2), capsys)
+    assert code == 1
+    assert _one_line_failure(err, mi355x.out_dir).startswith(
+        "runbook: draft-attention: draft attention: ROCM_AITER_MLA's non-causal decode was "
+        "not shown to match TRITON_MLA's (24 failed, 0 skipped, 0 passed); see "
+        "draft-attention/summary.json")
+    summary, report = _draft_summary(mi355x)
+    assert summary["verdict"]["backend"] == "TRITON_MLA"
+    assert "Device test (`draft-attention/junit.xml`" in report and "**FAILED**" in report
+
+
+def test_draft_attention_on_mi300x_runs_nothing_and_says_triton(config):
+    config = dataclasses.replace(config, steps=("preflight", "draft-attention", "report"))
+    code, executor, _ = run(config)
+    assert code == 0
+    assert not commands_with(executor, "--detach")
+    summary, report = _draft_summary(config)
+    assert summary == {"applies": False, "arch": "gfx942"}
+    assert "- gfx950 (MI355X), AITER on: not measured on this machine: run the runbook with " \
+           "--machine mi355x" in report
+
+
+def test_a_resumed_draft_attention_step_measures_nothing_again(mi355x):
+    run(mi355x, Scenario(gcn_arch="gfx950"))
+    code, executor, _ = run(mi355x, Scenario(gcn_arch="gfx950"))
+    assert code == 0
+    assert not commands_with(executor, "--detach") and not commands_with(executor, "-m",
+                                                                          "pytest")
 
 
 # --- bad input: one line, results kept --------------------------------------------

@@ -283,3 +283,37 @@ def test_the_identity_rope_fused_decode_is_checked_only_with_aiter_mla_off():
 ])
 def test_kernel_benchmark_output_is_read_leniently(text, rows):
     assert len(parse.kernel_table(text)) == rows
+
+
+def test_served_backends_reads_vllms_selection_lines(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "INFO [rocm.py:828] Using TRITON_MLA backend (selected via --attention-backend).\n"
+        "INFO [rocm.py:919] Found incompatible backend(s) [ROCM_AITER_MLA] with decoder. "
+        "Overriding with TRITON_MLA out of potential backends: ['TRITON_MLA'].\n"
+        "INFO [rocm.py:928] Using ROCM_AITER_MLA backend out of potential backends: "
+        "['ROCM_AITER_MLA', 'TRITON_MLA'].\n")
+    assert parse.served_backends(log) == ["TRITON_MLA", "ROCM_AITER_MLA"]
+    assert parse.served_backends(tmp_path / "none.log") == []
+
+
+_CELLS = [{"mean_itl_ms": 100.0, "acceptance_length": 3.0},
+          {"mean_itl_ms": 150.0, "acceptance_length": 3.0}]
+
+
+def _faster(cells, speedup, acceptance=1.0):
+    return [{"mean_itl_ms": c["mean_itl_ms"] / speedup,
+             "acceptance_length": c["acceptance_length"] * acceptance} for c in cells]
+
+
+@pytest.mark.parametrize("correct, aiter, backend, reason", [
+    (True, _faster(_CELLS, 1.05), "ROCM_AITER_MLA", "correct, and 5.0% faster"),
+    (True, _faster(_CELLS, 1.02), "TRITON_MLA", "ROCM_AITER_MLA is +2.0% faster"),
+    (False, _faster(_CELLS, 1.5), "TRITON_MLA", "ROCM_AITER_MLA's non-causal decode was not"),
+    (True, _faster(_CELLS, 1.5, 0.9), "TRITON_MLA", "ROCM_AITER_MLA's acceptance length is "
+                                                   "10.0% lower"),
+    (True, _CELLS[:1], "TRITON_MLA", "no complete A/B"),
+])
+def test_draft_backend_verdict(correct, aiter, backend, reason):
+    verdict = checks.draft_backend_verdict(correct, _CELLS, aiter, 0.03)
+    assert verdict["backend"] == backend and verdict["reason"].startswith(reason)
