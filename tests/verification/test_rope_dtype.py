@@ -2,9 +2,10 @@
 
 A draft block goes through the real ``KimiK3MultiHeadLatentAttentionWrapper``
 front end with the drafter's real RoPE (``get_rope``, fp32 table, YaRN), into
-the real generic ``MLAAttention`` whose cache write (``do_kv_cache_update`` ->
-``concat_and_cache_mla``) runs on the reference kernel, which reads ``k_pe``
-as the bf16 the GPU kernel is dispatched on. With the RoPE dtype fix absent,
+the real generic ``MLAAttention``. The drafter's RoPE + cache write
+(``concat_and_cache_mla_rope_fused``) and, in the defect's reproduction, the
+first ROCm drafter's rope module + ``concat_and_cache_mla`` run on reference
+kernels that read ``k_pe`` as the bf16 the GPU kernels are dispatched on. With the RoPE dtype fix absent,
 fp32 ``k_pe`` is reinterpreted and the cached rope slice is garbage; with the
 fix the slice matches an independent computation.
 
@@ -35,8 +36,12 @@ def body_rope_slice(cache_dtype, pristine_rope=False):
     from vllm.forward_context import set_forward_context
     from vllm.platforms import current_platform
 
-    from tests.verification.harness import ops
+    from vllm.models.kimi_k3.amd import mla as amd_mla
 
+    from tests.verification.harness import ops, reference
+
+    # The q/kv norms' Triton kernel, on its reference body (no GPU here).
+    amd_mla.fused_q_kv_rmsnorm = reference.fused_q_kv_rmsnorm
     if pristine_rope:
         _restore_pristine_rope_promotion()
     draft, front = _front_end(cache_dtype)
@@ -81,7 +86,10 @@ def body_rope_slice(cache_dtype, pristine_rope=False):
         ),
     ):
         front(positions, hidden)
-    assert ops.calls.get("concat_and_cache_mla") == 1, ops.calls
+    cache_write = (
+        "concat_and_cache_mla" if pristine_rope else "concat_and_cache_mla_rope_fused"
+    )
+    assert ops.calls.get(cache_write) == 1, ops.calls
 
     # Independent computation of the cache entries for layer 0.
     entries = E.context_entries(draft.checkpoint, cfg, hidden, positions)[0]
@@ -124,12 +132,14 @@ def _restore_pristine_rope_promotion():
 
 
 def _call_the_rope_module(front, cfg):
-    """Undo the ROCm drafter's in-place rotary launch: hand the wrapper the
-    rope module itself, as the first ROCm drafter did (its forward_hip is
-    forward_native, so the promotion above reaches k_pe)."""
+    """Undo the ROCm drafter's RoPE launches: hand the wrapper the rope module
+    itself and MLAAttention the cache write, as the first ROCm drafter did
+    (its forward_hip is forward_native, so the promotion above reaches
+    k_pe)."""
     from vllm.models.kimi_k3.common.mla_rope import get_k3_mla_rope
 
     front.rotary_emb, _ = get_k3_mla_rope(cfg, cfg.qk_rope_head_dim)
+    front._rope_in_kv_cache_write = False
 
 
 def _tolerance(m, cache_dtype):

@@ -182,32 +182,9 @@ def _concat_and_cache_mla_grouped(
     )
 
 
-def _concat_and_cache_mla_rope_fused(
-    positions,
-    q_pe,
-    k_pe,
-    kv_c,
-    cos_sin_cache,
-    is_neox,
-    slot_mapping,
-    kv_cache,
-    kv_cache_dtype,
-    kv_cache_scale,
-):
+def _concat_and_cache_mla_rope_fused(*args):
     calls["concat_and_cache_mla_rope_fused"] += 1
-    reference.concat_and_cache_mla_rope_fused(
-        positions,
-        q_pe,
-        k_pe,
-        kv_c,
-        cos_sin_cache,
-        is_neox,
-        slot_mapping,
-        kv_cache,
-        kv_cache_dtype,
-        kv_cache_scale,
-        fp8_dtype=_STATE["fp8_dtype"],
-    )
+    reference.concat_and_cache_mla_rope_fused(*args, fp8_dtype=_STATE["fp8_dtype"])
 
 
 _IMPLS = {

@@ -295,37 +295,23 @@ def rotary_embedding(
 
 
 def rotate(
-    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """x [T, ..., rot_dim] rotated at ``positions`` [T], in fp32 (returned fp32)."""
+    """x [T, ..., rot_dim] rotated at ``positions`` [T] in ``dtype`` (returned
+    in it): the table and x cast to it, each product and sum rounded to it."""
     half = cos_sin_cache.shape[1] // 2
-    cs = cos_sin_cache.float()[positions.reshape(-1).long()]
+    cs = cos_sin_cache.to(dtype)[positions.reshape(-1).long()]
     lead = (x.shape[0],) + (1,) * (x.dim() - 2)
     c, s = cs[:, :half].view(*lead, half), cs[:, half:].view(*lead, half)
-    xf = x.float()
+    xf = x.to(dtype)
     if is_neox:
         a, b = xf[..., :half], xf[..., half:]
     else:
         a, b = xf[..., 0::2], xf[..., 1::2]
-    na, nb = a * c - b * s, b * c + a * s
-    if is_neox:
-        return torch.cat([na, nb], dim=-1)
-    return torch.stack([na, nb], dim=-1).flatten(-2)
-
-
-def rotate_in_dtype(
-    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
-) -> torch.Tensor:
-    """x [T, ..., rot_dim] rotated as csrc/cache_kernels_fused.cu does: cos and
-    sin cast to x's dtype, each product and each sum rounded to it."""
-    half = cos_sin_cache.shape[1] // 2
-    cs = cos_sin_cache.to(x.dtype)[positions.reshape(-1).long()]
-    lead = (x.shape[0],) + (1,) * (x.dim() - 2)
-    c, s = cs[:, :half].view(*lead, half), cs[:, half:].view(*lead, half)
-    if is_neox:
-        a, b = x[..., :half], x[..., half:]
-    else:
-        a, b = x[..., 0::2], x[..., 1::2]
     na, nb = a * c - b * s, b * c + a * s
     if is_neox:
         return torch.cat([na, nb], dim=-1)
@@ -355,8 +341,9 @@ def concat_and_cache_mla_rope_fused(
     tokens = slot_mapping.numel()
     live = (slot_mapping.reshape(-1) >= 0).nonzero().reshape(-1)
     pos = positions[:tokens][live]
-    q_pe[live] = rotate_in_dtype(q_pe[live], pos, cos_sin_cache, is_neox)
-    k_pe[live] = rotate_in_dtype(k_pe[live], pos, cos_sin_cache, is_neox)
+    # The kernel casts cos and sin to q's dtype and computes in it.
+    q_pe[live] = rotate(q_pe[live], pos, cos_sin_cache, is_neox, q_pe.dtype)
+    k_pe[live] = rotate(k_pe[live], pos, cos_sin_cache, is_neox, k_pe.dtype)
     concat_and_cache_mla(
         kv_c[live],
         k_pe[live],

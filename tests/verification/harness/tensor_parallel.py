@@ -146,7 +146,12 @@ def _install_recorders(draft, record: dict) -> None:
             )
 
         if hasattr(attn, "mla_attn"):
-            # AMD: the wrapper hands the generic MLAAttention its inputs.
+            # AMD: the wrapper hands the generic MLAAttention its inputs. Its
+            # fused RoPE + cache write needs a bound cache and a forward
+            # context; it shards nothing (per-rank heads come from the
+            # wrapper), so the rope module rotates here and the core attends.
+            attn._rope_in_kv_cache_write = False
+
             def forward(q, kv_c_normed, k_pe, output_shape=None, core=core, **_):
                 return core(q, kv_c_normed, k_pe).view(output_shape)
 
@@ -208,11 +213,12 @@ def _run(which: str, rank: int, perturbation: str | None = None) -> dict:
     from . import reference
 
     cls = D.drafter_cls(which)
-    if which == "nvidia":
-        # The NVIDIA front end normalizes both latents in one Triton kernel.
-        from vllm.models.kimi_k3.nvidia import mla
+    # Both front ends normalize the two latents in one Triton kernel.
+    from vllm.models.kimi_k3.amd import mla as amd_mla
+    from vllm.models.kimi_k3.nvidia import mla as nvidia_mla
 
-        mla.fused_q_kv_rmsnorm = reference.fused_q_kv_rmsnorm
+    nvidia_mla.fused_q_kv_rmsnorm = reference.fused_q_kv_rmsnorm
+    amd_mla.fused_q_kv_rmsnorm = reference.fused_q_kv_rmsnorm
     draft = D.build(cls=cls)
     defect = _perturb(draft, perturbation, rank)
     record: dict = dict(q=[], kv_c=[], k_pe=[], reduced=[])
