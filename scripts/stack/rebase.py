@@ -1,28 +1,34 @@
 """`make rebase VLLM_VERSION=x.y.z`: move the stack onto another vLLM release.
 
-The new release is committed in build/vllm as a child of the old one, and
-the patches are re-applied on it with 3-way merging allowed. At the first
-conflict the run stops, names the patch and the files, and says how to go on;
-pin.toml and patches/ change only once every patch is on the new release
-(then the patches are re-exported, so no resolution stays unexported). The
-old stack stays in build/vllm as branch `stack-<old version>`.
+A thin layer over git's own rebase. The new release is committed in
+build/vllm as a child of the old one (tag `vllm-<new>`); branch
+`rebase-<new>`, started at `stack`, is moved onto it with `git rebase --onto`.
+Git keeps the rebase's state (which patch is next, where it stopped) and
+survives kills; `rerere` records every resolution, so a give-up and a restart
+reuse them. What this module reports comes from git. What it must remember
+beyond git (the new pin, what the project's files held when it began, the git
+command it was running) is in the state file, and is checked against git
+before anything is done.
+
+Only when git's rebase is done are pin.toml, patches/ and vllm_overlay/
+replaced, together: staged in full, then moved into place under a journal
+that the next run completes after a kill. The old stack stays as branch
+`stack-<old version>`.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
+from pathlib import Path
 
-from scripts.common import Layout, StackError, rel, say, write_atomically
-from scripts.stack import apply
+from scripts.common import Layout, StackError, discard, rel, say
+from scripts.stack import apply, overlay
 from scripts.stack.fetch import IndexUnreachable, ensure_artifact, find_in_index, index_needed
 from scripts.stack.gitrepo import (
     BRANCH,
     TOOL_IDENTITY,
-    am_in_progress,
-    commits_since,
     dirty_files,
     git,
     head,
@@ -31,15 +37,20 @@ from scripts.stack.gitrepo import (
     read_state,
     release_commit_id,
     remove_stale_git_locks,
+    rebase_in_progress,
     write_state,
 )
 from scripts.stack.pin import Artifact, Pin, check_version, load_pin, render_pin
-from scripts.stack.series import read_series, touched_paths
+from scripts.stack.series import read_series, series_digest, series_names, series_text
 
-_AM_3WAY = [*apply.AM, "--3way"]
 # A new release's files may be at most this many times the size of the pinned
 # ones: their size comes from the index, which must not be able to fill the disk.
 _MAX_GROWTH = 4
+# What the finish writes, relative to the project root, all or nothing.
+_PROJECT_FILES = ("pin.toml", "patches", "vllm_overlay")
+# git's rebase, run without an editor; `rerere` replays a recorded resolution.
+_GIT_REBASE_ENV = {"GIT_EDITOR": ":", "GIT_SEQUENCE_EDITOR": ":"}
+_RERERE = ["-c", "rerere.enabled=true", "-c", "rerere.autoUpdate=true"]
 
 
 def rebase(layout: Layout, version: str) -> None:
@@ -48,50 +59,126 @@ def rebase(layout: Layout, version: str) -> None:
     tree = layout.tree
     if not is_stack_repo(tree):
         raise StackError(f"{rel(tree, layout)} does not exist; run `make apply` first")
-    progress = read_state(tree).get("rebase")
-    if progress and progress["pin"]["version"] != version:
-        raise StackError(
-            f"a rebase to vLLM {progress['pin']['version']} is in progress in "
-            f"{rel(tree, layout)}; finish it with `make rebase VLLM_VERSION="
-            f"{progress['pin']['version']}` or give it up with `make rebase-abandon`")
-    if progress:
-        _resume(layout, progress)
-    else:
+    progress = _progress(layout)
+    if progress and progress["version"] != version:
+        raise StackError(f"a rebase to vLLM {progress['version']} is in progress in "
+                         f"{rel(tree, layout)}; finish it with `make rebase VLLM_VERSION="
+                         f"{progress['version']}` or give it up with `make rebase-abandon`")
+    if progress and progress.get("git") == "abandon":
+        raise StackError("the last `make rebase-abandon` was killed; run "
+                         "`make rebase-abandon` again to finish giving the rebase up")
+    if progress is None:
         progress = _start(layout, version)
-    _apply_remaining(layout, progress)
+    elif progress.get("finishing"):
+        _complete_finish(layout, progress)
+        return
+    elif progress.get("git"):
+        _recover_killed_git(layout, progress)
+    _check_against_git(layout, progress)
+    _drive(layout, progress)
     _finish(layout, progress)
 
 
-def _start(layout: Layout, version: str) -> dict:
-    old = load_pin(layout.pin_file)
-    if version == old.version:
-        raise StackError(f"the stack is already on vLLM {version}")
-    apply.guard_tree(layout, "`make rebase`")
-    _refuse_resetting_work(layout, version)
-    new = pin_for(old, version)
-    sdist = ensure_artifact(layout, new.project, new.sdist)
-    tree = layout.tree
-    old_base = read_state(tree)["base_tag"]
-    commit = import_release(layout, new, sdist, parent=old_base)
-    new = Pin(new.version, release_commit_id(tree, commit) or "unknown",
-              new.base_tag, new.sdist, new.wheel)
-    git(tree, "branch", "-f", f"{BRANCH}-{old.version}", BRANCH)
-    git(tree, "checkout", "-q", "-B", rebase_branch(version), commit)
-    progress = {"pin": _pin_dict(new), "patches": [p.name for p in read_series(layout)],
-                "next": 0, "three_way": [], "old_branch": f"{BRANCH}-{old.version}",
-                # patches/ as the rebase read it: what its export may overwrite
-                "synced": apply.patches_snapshot(layout)}
-    write_state(tree, rebase=progress, status="rebasing")
-    say(f"rebasing {len(progress['patches'])} patch(es) from vLLM {old.version} onto "
-        f"{version} (3-way merge allowed; old stack kept as {progress['old_branch']})")
+# --- what the tool remembers, checked against git ------------------------------
+
+
+def _progress(layout: Layout) -> dict | None:
+    """The state file's rebase entry, or None; one line if it is damaged."""
+    progress = read_state(layout.tree).get("rebase")
+    if progress is None:
+        return None
+    keys = {"version": str, "pin": dict, "old_base": str, "old_branch": str,
+            "release": str, "project": dict}
+    if not isinstance(progress, dict) or any(
+            not isinstance(progress.get(k), t) for k, t in keys.items()):
+        raise StackError(f"{rel(layout.tree, layout)}/.git/k3-stack.json: its rebase entry "
+                         "is damaged; give the rebase up with `make rebase-abandon` (git's "
+                         "own state is kept as a branch), then start it again")
     return progress
+
+
+def _save(layout: Layout, progress: dict) -> None:
+    write_state(layout.tree, rebase=progress)
+
+
+def _rebase_dir(tree: Path) -> Path:
+    return tree / ".git" / "rebase-merge"
+
+
+def _current_branch(tree: Path) -> str:
+    return git(tree, "symbolic-ref", "-q", "--short", "HEAD", check=False).stdout.strip()
 
 
 def rebase_branch(version: str) -> str:
     return f"rebase-{version}"
 
 
-def _commits_only_on(tree, branch: str) -> list[str]:
+def _check_against_git(layout: Layout, progress: dict) -> None:
+    """Refuse, naming the next step, when git's state is not the rebase's."""
+    tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
+    branch, tag = rebase_branch(version), progress["pin"]["base_tag"]
+    go_on = (f"then run `make rebase VLLM_VERSION={version}` (or give the rebase up "
+             "with `make rebase-abandon`)")
+    commit = git(tree, "rev-parse", "-q", "--verify", f"{tag}^{{commit}}",
+                 check=False).stdout.strip()
+    if commit != progress["release"]:
+        raise StackError(f"{where}: tag {tag} is not the release commit this rebase imported; "
+                         f"put it back with `git -C {where} tag -f {tag} "
+                         f"{progress['release']}`, {go_on}")
+    if git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{branch}",
+           check=False).returncode != 0:
+        raise StackError(f"{where} has no branch {branch}, which held the rebase to vLLM "
+                         f"{version}; give it up with `make rebase-abandon`")
+    if (tree / ".git" / "rebase-apply").exists():
+        raise StackError(f"a `git am` is in progress in {where}; abort it "
+                         f"(`git -C {where} am --abort`), {go_on}")
+    if _rebase_dir(tree).is_dir():
+        rebasing = (_rebase_dir(tree) / "head-name").read_text().strip()
+        if rebasing != f"refs/heads/{branch}":
+            raise StackError(f"a `git rebase` of {rebasing} is in progress in {where}, not "
+                             f"the rebase of {branch}; finish or abort it (`git -C {where} "
+                             f"rebase --abort`), {go_on}")
+    elif (on := _current_branch(tree)) != branch:
+        raise StackError(f"{where} is on {on or 'a detached HEAD'}, not on branch {branch} "
+                         f"where the rebase to vLLM {version} is: `git -C {where} checkout "
+                         f"{branch}`, {go_on}")
+
+
+# --- start ------------------------------------------------------------------------
+
+
+def _start(layout: Layout, version: str) -> dict:
+    old = load_pin(layout.pin_file)
+    if version == old.version:
+        raise StackError(f"the stack is already on vLLM {version}")
+    tree = layout.tree
+    apply.guard_tree(layout, "`make rebase`")
+    old_base = read_state(tree)["base_tag"]
+    # The finish replaces patches/: it must hold the stack, and nothing else edited.
+    apply.refuse_overwriting_edits(layout, apply.rendered_stack(layout, old_base))
+    _refuse_resetting_work(layout, version)
+    new = pin_for(old, version)
+    sdist = ensure_artifact(layout, new.project, new.sdist)
+    release = import_release(layout, new, sdist, parent=old_base)
+    new = Pin(new.version, release_commit_id(tree, release) or "unknown",
+              new.base_tag, new.sdist, new.wheel)
+    progress = {"version": version, "pin": _pin_dict(new), "old_base": old_base,
+                "old_branch": f"{BRANCH}-{old.version}", "release": release,
+                "project": _project_digests(layout), "git": "start"}
+    _save(layout, progress)  # from here a kill is undone by the next run
+    git(tree, "branch", "-f", progress["old_branch"], BRANCH)
+    git(tree, "checkout", "-q", "-B", rebase_branch(version), BRANCH)
+    # Recorded resolutions are reused when the same conflict comes back.
+    git(tree, "config", "rerere.enabled", "true")
+    git(tree, "config", "rerere.autoUpdate", "true")
+    progress["git"] = None
+    _save(layout, progress)
+    say(f"rebasing {len(read_series(layout))} patch(es) from vLLM {old.version} onto "
+        f"{version} with `git rebase` (old stack kept as branch {progress['old_branch']})")
+    return progress
+
+
+def _commits_only_on(tree: Path, branch: str) -> list[str]:
     """The commits `branch` holds that no other branch or tag reaches."""
     ref = f"refs/heads/{branch}"
     if git(tree, "rev-parse", "-q", "--verify", ref, check=False).returncode != 0:
@@ -138,119 +225,232 @@ def pin_for(old: Pin, version: str) -> Pin:
     return Pin(version, "unknown", f"vllm-{version}", artifact(old.sdist), artifact(old.wheel))
 
 
-def _reflog_length(tree) -> int:
-    """How many times HEAD has moved or been reset (`git am --abort` counts too)."""
-    return int(git(tree, "rev-list", "--walk-reflogs", "--count", "HEAD").stdout.strip() or 0)
+# --- driving git's rebase ---------------------------------------------------------------
 
 
-def _resume(layout: Layout, progress: dict) -> None:
-    """Go on after a stop: finish the resolved `git am`, or note a skipped patch.
+def _drive(layout: Layout, progress: dict) -> None:
+    """Run git's rebase until it is done or stops for the user: start it, go on
+    after a stop (the user ran `make rebase` again), and fold `fixup!` commits
+    made during it. A stop that `rerere` resolved in full is gone on from."""
+    tree, new_base = layout.tree, progress["pin"]["base_tag"]
+    gone_on_from: set[str] = set()
+    while True:
+        if _rebase_dir(tree).is_dir():
+            _refuse_unfinished_stop(layout, progress)
+            position = _position(tree)
+            if position in gone_on_from:  # went on from here in this run, and stopped again
+                raise _stop(layout, progress, stuck=True)
+            gone_on_from.add(position)
+            git(tree, "rerere", check=False)  # a kill inside git keeps the resolution
+            args = ["rebase", "--continue"]
+        elif not _is_ancestor(tree, new_base, "HEAD"):
+            args = ["rebase", "--committer-date-is-author-date", "--onto", new_base,
+                    progress["old_base"]]
+        elif fixups := _fixup_commits(tree, new_base):
+            say(f"  folding {len(fixups)} commit(s) made during the rebase into their "
+                f"patches: {', '.join(fixups)}")
+            args = ["rebase", "-i", "--autosquash", "--committer-date-is-author-date",
+                    new_base]
+        else:
+            return
+        if _run_git(layout, progress, args).returncode == 0:
+            continue
+        if not _rebase_dir(tree).is_dir():
+            raise StackError(f"`git {' '.join(args)}` failed in {rel(tree, layout)}; "
+                             "fix what it says, then run the same `make rebase` again")
+        if _unmerged(tree) or _in_the_way(tree):
+            raise _stop(layout, progress)
+        say(f"  {_stopped_patch(tree)}: reused the recorded resolution of the same conflict")
 
-    Only `git am --skip` drops a patch. It leaves HEAD and its reflog as they
-    were at the stop; `git am --abort` (which `make apply` suggests) also
-    leaves HEAD there but adds a reflog entry: then the patch is applied again.
-    """
+
+def _run_git(layout: Layout, progress: dict, args: list[str]):
+    """Run git's rebase, with a mark in the state file while it runs: after a
+    kill inside it the next run undoes what it left (_recover_killed_git)."""
+    progress["git"] = args[1]
+    _save(layout, progress)
+    result = git(layout.tree, *_RERERE, *args, env=_GIT_REBASE_ENV, check=False)
+    progress["git"] = None
+    _save(layout, progress)
+    return result
+
+
+def _is_ancestor(tree: Path, ancestor: str, rev: str) -> bool:
+    return git(tree, "merge-base", "--is-ancestor", ancestor, rev, check=False).returncode == 0
+
+
+def _fixup_commits(tree: Path, base: str) -> list[str]:
+    subjects = git(tree, "log", "--reverse", "--format=%s", f"{base}..HEAD").stdout
+    return [s for s in subjects.splitlines() if s.startswith(("fixup! ", "squash! ", "amend! "))]
+
+
+def _unmerged(tree: Path) -> list[str]:
+    return git(tree, "diff", "--name-only", "-z", "--diff-filter=U").stdout.split("\0")[:-1]
+
+
+def _position(tree: Path) -> str:
+    """Where git's rebase is: the number of its todo lines done."""
+    return (_rebase_dir(tree) / "msgnum").read_text().strip() \
+        if (_rebase_dir(tree) / "msgnum").exists() else "0"
+
+
+def _stopped_pick(tree: Path) -> str | None:
+    return git(tree, "rev-parse", "-q", "--verify", "REBASE_HEAD",
+               check=False).stdout.strip() or None
+
+
+def _stopped_patch(tree: Path) -> str:
+    pick = _stopped_pick(tree)
+    subject = git(tree, "log", "-1", "--format=%s", pick).stdout.strip() if pick else ""
+    return apply.patch_name(subject) if subject else "a patch"
+
+
+def _rescheduled(tree: Path) -> bool:
+    """git stopped before its pick merged anything (an untracked file in the way):
+    the pick is both the last line done and the first still to do."""
+    def lines(name: str) -> list[str]:
+        path = _rebase_dir(tree) / name
+        text = path.read_text() if path.exists() else ""
+        return [ln.split()[:2] for ln in text.splitlines() if ln and not ln.startswith("#")]
+    done, todo = lines("done"), lines("git-rebase-todo")
+    return bool(done and todo and done[-1] == todo[0])
+
+
+def _in_the_way(tree: Path) -> list[str]:
+    """The untracked files that stop the rescheduled pick (its paths that exist)."""
+    if not _rescheduled(tree) or not (pick := _stopped_pick(tree)):
+        return []
+    paths = git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
+                pick).stdout.split("\0")[:-1]
+    return [p for p in paths if os.path.lexists(tree / p)
+            and git(tree, "ls-files", "--error-unmatch", "--", p, check=False,
+                    env={"GIT_LITERAL_PATHSPECS": "1"}).returncode != 0]
+
+
+def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
+    """Before going on from a stop: what is left, or was done by hand, that
+    `git rebase --continue` would turn into a wrong patch."""
     tree, where = layout.tree, rel(layout.tree, layout)
-    if progress.get("am_running"):
-        _undo_killed_am(layout, progress)
-        return
-    if progress["next"] >= len(progress["patches"]):
-        return  # every patch is on the new release; only the finish is left
-    if am_in_progress(tree):
-        result = git(tree, "am", "--continue", env=TOOL_IDENTITY, check=False)
-        if result.returncode != 0:
-            _stop(layout, progress, result.stdout + result.stderr)
-    applied = len(commits_since(tree, progress["pin"]["base_tag"]))
-    name = progress["patches"][progress["next"]]
-    if applied == progress["next"] and (dirty := dirty_files(tree)):
+    if _unmerged(tree) or _in_the_way(tree):
+        raise _stop(layout, progress)
+    staged = git(tree, "diff", "--cached", "--quiet", check=False).returncode != 0
+    if _rescheduled(tree) and staged:
         raise StackError(
-            f"{where} has uncommitted changes but no `git am` in progress: "
-            + ", ".join(dirty[:5]) + f". Discard them (`git -C {where} reset --hard`) "
-            f"and run `make rebase VLLM_VERSION={progress['pin']['version']}` again: it "
-            f"applies {name} again.")
-    if applied == progress["next"] and _reflog_length(tree) != progress.get("stopped_reflog"):
-        say(f"  the `git am` of {name} was undone (`git am --abort`, say), not skipped: "
-            f"applying it again (to drop it, `git -C {where} am --skip` at its stop)")
-    elif applied == progress["next"]:
-        progress["patches"].pop(progress["next"])
-        progress.setdefault("dropped", []).append(name)
-        say(f"  dropped {name} (skipped with `git am --skip` during the rebase)")
+            f"git stopped before {_stopped_patch(tree)} (nothing of it is applied), so "
+            f"what is staged in {where} would be committed as that patch: unstage it "
+            f"(`git -C {where} restore --staged .`) and move files of your own out of "
+            f"{where}, then run `make rebase VLLM_VERSION={progress['version']}` again")
+    stop = progress.get("stop") or {}
+    if stop.get("pick") and stop["pick"] == _stopped_pick(tree) and stop["head"] != head(tree):
+        made = git(tree, "log", "--format=%s", f"{stop['head']}..HEAD").stdout.splitlines()
+        picked = git(tree, "log", "-1", "--format=%s", stop["pick"]).stdout.strip()
+        if picked not in made:
+            raise StackError(
+                f"a commit made during the stop at {_stopped_patch(tree)} ({made[0]!r}) took "
+                f"that patch's resolution along, and git would count it as the patch: undo "
+                f"it keeping its changes (`git -C {where} reset --soft {stop['head'][:12]}`), "
+                f"run `make rebase VLLM_VERSION={progress['version']}` again, and make the "
+                f"commit after the patch is applied")
+
+
+def _stop(layout: Layout, progress: dict, stuck: bool = False) -> StackError:
+    """Record where git stopped (its pick, and HEAD: a commit made during the stop
+    is told from it) and say what to do next."""
+    tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
+    progress["stop"] = {"pick": _stopped_pick(tree), "head": head(tree)}
+    _save(layout, progress)
+    name = _stopped_patch(tree)
+    rebase_dir = _rebase_dir(tree)
+    count = f"[{_position(tree)}/{(rebase_dir / 'end').read_text().strip()}] " \
+        if (rebase_dir / "end").exists() else ""
+    skip = f"`git -C {where} rebase --skip`"
+    conflicted = _unmerged(tree)
+    if in_the_way := _in_the_way(tree):
+        what = (f"{count}{name}: untracked {', '.join(in_the_way)} in {where} stand where "
+                f"the patch writes, so git applied nothing of it. Move them out of {where} "
+                "(they are not the patch's: do not `git add` them)")
+    elif deleted := _deleted_upstream(layout, progress, conflicted):
+        what = (f"{count}" + "; ".join(f"upstream deleted {path}" for path in deleted)
+                + f" in vLLM {version}, and {name} changes it: drop the patch ({skip}) or "
+                f"re-home its change where the code went (by hand, then `git -C {where} add` "
+                f"what you changed and `git -C {where} rm` the deleted file). Resolving it as "
+                "a conflict would bring the deleted file back")
+    elif conflicted:
+        what = (f"{count}{name} conflicts with vLLM {version} in: {', '.join(conflicted)}. "
+                f"Resolve the files in {where}, then `git -C {where} add <files>` (to drop the "
+                f"patch instead: {skip})")
     else:
-        say(f"  [{applied}/{len(progress['patches'])}] resolved "
-            f"{progress['patches'][applied - 1]}")
-        progress["three_way"].append(progress["patches"][applied - 1])
-        progress["next"] = applied
-    write_state(tree, rebase=progress)
+        what = (f"{count}{name} stopped again after its resolution"
+                + (" was reused" if stuck else "")
+                + f": see `git -C {where} status`; if upstream has the patch, drop it ({skip})")
+    return StackError(
+        f"{what}; then run `make rebase VLLM_VERSION={version}` again to go on. pin.toml and "
+        f"patches/ are unchanged and the old stack is branch {progress['old_branch']}; to "
+        "give up: `make rebase-abandon` (resolutions are recorded, a new `make rebase` "
+        "reuses them)")
 
 
-def _undo_killed_am(layout: Layout, progress: dict) -> None:
-    """The last `make rebase` was killed inside its own `git am` (the state says
-    it was running): remove the locks it left, undo that am, apply the patch again."""
-    tree = layout.tree
-    removed = remove_stale_git_locks(tree)
-    if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
-        git(tree, "am", "--quit")  # killed before its state was complete
-    # The killed am may have created some of the patch's files: remove them if
-    # untracked (only those: other untracked files may be the user's).
-    name = progress["patches"][progress["next"]]
-    if paths := touched_paths(name, (layout.patches_dir / name).read_bytes()):
-        git(tree, "clean", "-q", "-f", "--", *paths, env={"GIT_LITERAL_PATHSPECS": "1"})
-    progress["am_running"] = False
-    write_state(tree, rebase=progress)
-    say(f"  the last `make rebase` was killed while applying "
-        f"{progress['patches'][progress['next']]}; undid that"
-        + (f" (removed {', '.join(removed)})" if removed else "") + ", applying it again")
+def _deleted_upstream(layout: Layout, progress: dict, conflicted: list[str]) -> list[str]:
+    """The conflicted files that the old release had and the new one lacks."""
+    def in_tree(rev: str, path: str) -> bool:
+        return git(layout.tree, "cat-file", "-e", f"{rev}:{path}", check=False).returncode == 0
+
+    return sorted(path for path in conflicted if in_tree(progress["old_base"], path)
+                  and not in_tree(progress["pin"]["base_tag"], path))
 
 
-def _apply_remaining(layout: Layout, progress: dict) -> None:
-    tree = layout.tree
-    names = progress["patches"]
-    while progress["next"] < len(names):
-        name = names[progress["next"]]
-        patch = layout.patches_dir / name
-        # Its bytes as applied now: an edit made during the rebase is taken in.
-        progress["synced"][name] = apply.patches_snapshot(layout).get(name)
-        write_state(tree, rebase={**progress, "am_running": True})
-        result = git(tree, *_AM_3WAY, str(patch.resolve()), env=TOOL_IDENTITY, check=False)
-        write_state(tree, rebase=progress)
-        output = result.stdout + result.stderr
-        if result.returncode != 0:
-            _stop(layout, progress, output)
-        if "3-way merge" in output or "three-way merge" in output:
-            progress["three_way"].append(name)
-        say(f"  [{progress['next'] + 1}/{len(names)}] applied {name}"
-            + (" (3-way merged: review it)" if name in progress["three_way"] else ""))
-        progress["next"] += 1
-        write_state(tree, rebase=progress)
+# --- a kill inside git ---------------------------------------------------------------------
 
 
-def _stop(layout: Layout, progress: dict, output: str) -> None:
+def _recover_killed_git(layout: Layout, progress: dict) -> None:
+    """The last run was killed inside its git (the state says which): take back
+    what that git half did, so the rebase starts again from branch rebase-<v>
+    as it was; rerere replays every resolution recorded before the kill.
+
+    A git of ours ran (the state's mark, and the project lock says no command
+    runs now): its lock files are stale. The work tree of a killed `--continue`
+    may hold a resolution git had not committed: it is kept as a branch."""
     tree, where = layout.tree, rel(layout.tree, layout)
-    progress["stopped_reflog"] = _reflog_length(tree)
-    write_state(tree, rebase=progress)
-    name = progress["patches"][progress["next"]]
-    version = progress["pin"]["version"]
-    conflicted = git(tree, "diff", "--name-only", "--diff-filter=U").stdout.split()
-    if "Patch is empty" in output or "patch is empty" in output.lower():
-        what = (f"{name} changes nothing on vLLM {version}: it is probably upstream "
-                f"already. Drop it with `git -C {where} am --skip`")
-    elif deleted := _deleted_upstream(layout, progress, output, conflicted):
-        what = "; ".join(f"upstream deleted {path}" for path in deleted) + (
-            f" in vLLM {version}, and {name} changes it: drop the patch (`git -C {where} am "
-            f"--skip`) or re-home its change where the code went (by hand, then `git -C "
-            f"{where} add` what you changed and `git -C {where} rm` the deleted file). "
-            f"Resolving it as a conflict would bring the deleted file back")
-    else:
-        files = conflicted or sorted(set(re.findall(r"(?:patch failed|conflict in) ?:? ?([^\s:]+)",
-                                                    output, re.I)))
-        what = (f"{name} conflicts with vLLM {version} in: {', '.join(files) or '(see below)'}"
-                f"\n{apply.git_advice_removed(output)}\nResolve the files in {where}, then "
-                f"`git -C {where} add <files>`")
-    raise StackError(
-        f"{what}; then run `make rebase VLLM_VERSION={version}` again to go on.\n"
-        f"Nothing is lost: pin.toml and patches/ are unchanged, the old stack is "
-        f"branch {progress['old_branch']} in {where}. To give up: `make rebase-abandon` "
-        f"(it keeps what this rebase did as a branch).")
+    removed = remove_stale_git_locks(tree)
+    kept = _keep_rebase_work(layout, progress) if progress["git"] == "--continue" else None
+    _undo_git_rebase(layout, progress)
+    progress["git"] = None
+    _save(layout, progress)
+    say(f"the last `make rebase` was killed inside git; undid what it half did in {where}"
+        + (f" (removed {', '.join(removed)})" if removed else "")
+        + (f", its work tree kept as branch {kept}" if kept else "")
+        + ": going on from branch " + rebase_branch(progress["version"]))
+
+
+def _undo_git_rebase(layout: Layout, progress: dict) -> None:
+    """Abort git's rebase (branch rebase-<v> back where it began, checked out) and
+    remove the files git wrote that are now untracked: those whose bytes are a
+    blob of the release or of the commits git was on. Any other file is kept."""
+    tree = layout.tree
+    was_at = git(tree, "rev-parse", "HEAD").stdout.strip()
+    if _rebase_dir(tree).is_dir() and git(tree, "rebase", "--abort",
+                                          check=False).returncode != 0:
+        git(tree, "rebase", "--quit")  # killed before its state was complete
+    git(tree, "checkout", "-q", "-f", rebase_branch(progress["version"]))
+    _remove_files_git_wrote(tree, [was_at, progress["release"]])
+
+
+def _remove_files_git_wrote(tree: Path, revs: list[str]) -> None:
+    untracked = git(tree, "ls-files", "--others", "-z").stdout.split("\0")[:-1]
+    if not untracked:
+        return
+    written = set()  # (blob id, path) of each file of `revs`
+    for rev in revs:
+        for entry in git(tree, "ls-tree", "-r", "-z", rev).stdout.split("\0")[:-1]:
+            meta, path = entry.split("\t", 1)
+            written.add((meta.split()[2], path))
+    hashes = git(tree, "hash-object", "--no-filters", "--stdin-paths",
+                 input="".join(f"{p}\n" for p in untracked)).stdout.split()
+    for path, blob in zip(untracked, hashes):
+        if (blob, path) in written:
+            (tree / path).unlink()
+
+
+# --- give up --------------------------------------------------------------------
 
 
 def abandon(layout: Layout) -> None:
@@ -258,19 +458,35 @@ def abandon(layout: Layout) -> None:
 
     build/vllm goes back to branch `stack` on the old release (pin.toml and
     patches/ were never changed). What the rebase did is kept as branch
-    `abandoned-rebase-<version>`: the patches it put on the new release and,
-    as its last commit, the unfinished resolution of the patch it stopped at.
+    `abandoned-rebase-<version>`, a begun resolution as its last commit; the
+    resolutions git recorded stay, for the next `make rebase` to reuse.
     """
     tree, where = layout.tree, rel(layout.tree, layout)
-    if not is_stack_repo(tree) or not (progress := read_state(tree).get("rebase")):
+    progress = read_state(tree).get("rebase") if is_stack_repo(tree) else None
+    if not progress:
         raise StackError(f"no rebase is in progress in {where}: nothing to abandon")
-    version = progress["pin"]["version"]
-    remove_stale_git_locks(tree)
+    if not isinstance(progress, dict) or not isinstance(progress.get("version"), str):
+        progress = {"version": _version_from_git(tree)}
+    version = progress["version"]
+    if isinstance(progress.get("finishing"), dict):
+        raise StackError(f"the rebase to vLLM {version} is being written into the project "
+                         f"(pin.toml, patches/); complete it with `make rebase "
+                         f"VLLM_VERSION={version}`")
+    if progress.get("git"):
+        remove_stale_git_locks(tree)  # our own git, killed
+    progress["git"] = "abandon"
+    _save(layout, progress)
+    if not _unmerged(tree):  # every conflict resolved and added: the next rebase reuses it
+        git(tree, "rerere", check=False)
     kept = _keep_rebase_work(layout, progress)
-    if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
-        git(tree, "am", "--quit")  # a killed am whose state was incomplete
+    if _rebase_dir(tree).is_dir() and git(tree, "rebase", "--abort",
+                                          check=False).returncode != 0:
+        git(tree, "rebase", "--quit")
+    was_at = head(tree)
     git(tree, "checkout", "-q", "-f", BRANCH)
-    _remove_untracked_patch_files(layout, progress)
+    _remove_files_git_wrote(tree, [was_at] + ([progress["release"]]
+                                              if isinstance(progress.get("release"), str)
+                                              else []))
     if git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{rebase_branch(version)}",
            check=False).returncode == 0:
         git(tree, "branch", "-q", "-D", rebase_branch(version))
@@ -280,10 +496,19 @@ def abandon(layout: Layout) -> None:
         + (f"; what the rebase did is kept as branch {kept}" if kept else ""))
 
 
+def _version_from_git(tree: Path) -> str:
+    """The version of the rebase git holds, when the state's entry is damaged."""
+    head_name = _rebase_dir(tree) / "head-name"
+    ref = head_name.read_text().strip() if head_name.exists() else \
+        "refs/heads/" + _current_branch(tree)
+    return ref.removeprefix("refs/heads/rebase-") if ref.startswith("refs/heads/rebase-") \
+        else "unknown"
+
+
 def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
     """Point a new branch at the rebase's commits, plus a commit of the work tree
     when it holds changes (a resolution begun); return its name."""
-    tree, version = layout.tree, progress["pin"]["version"]
+    tree, version = layout.tree, progress["version"]
     tip = head(tree)
     fd, index = tempfile.mkstemp(prefix="k3-abandon-index-")
     os.close(fd)
@@ -295,15 +520,14 @@ def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
     finally:
         os.unlink(index)
     if work != git(tree, "rev-parse", f"{tip}^{{tree}}").stdout.strip():
-        stopped_at = progress["patches"][progress["next"]] \
-            if progress["next"] < len(progress["patches"]) else "the last patch"
         # The tool's identity as author too: a fresh machine may have none.
         identity = {**TOOL_IDENTITY, "GIT_AUTHOR_NAME": TOOL_IDENTITY["GIT_COMMITTER_NAME"],
                     "GIT_AUTHOR_EMAIL": TOOL_IDENTITY["GIT_COMMITTER_EMAIL"]}
         tip = git(tree, "commit-tree", work, "-p", tip, "-F", "-", env=identity,
-                  input=f"Unfinished resolution of {stopped_at} (rebase abandoned)\n"
-                  ).stdout.strip()
-    if tip == git(tree, "rev-parse", progress["pin"]["base_tag"]).stdout.strip():
+                  input=f"Unfinished resolution of {_stopped_patch(tree)} (rebase "
+                  "abandoned)\n").stdout.strip()
+    if not progress.get("release") or _is_ancestor(tree, tip, BRANCH) or \
+            tip == progress["release"]:
         return None  # nothing was done on the new release
     name, n = f"abandoned-rebase-{version}", 1
     while git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{name}",
@@ -314,52 +538,120 @@ def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
     return name
 
 
-def _remove_untracked_patch_files(layout: Layout, progress: dict) -> None:
-    """Files the stopped `git am` created that `stack` does not track (they are
-    kept in the abandoned branch): only the patch's own paths."""
-    if progress["next"] >= len(progress["patches"]):
-        return
-    name = progress["patches"][progress["next"]]
-    patch = layout.patches_dir / name
-    if patch.is_file() and (paths := touched_paths(name, patch.read_bytes())):
-        git(layout.tree, "clean", "-q", "-f", "--", *paths,
-            env={"GIT_LITERAL_PATHSPECS": "1"})
+# --- the finish: the project's files, all or nothing -------------------------------------
 
 
-def _deleted_upstream(layout: Layout, progress: dict, output: str,
-                      conflicted: list[str]) -> list[str]:
-    """The files the stopped patch changes that the old release had and the new
-    one lacks (a modify/delete conflict, or "does not exist in index")."""
-    tree = layout.tree
-    candidates = set(conflicted) | set(re.findall(r"error: ([^:\s]+): does not exist in index",
-                                                  output))
-    old_base = read_state(tree)["base_tag"]
-
-    def in_tree(rev: str, path: str) -> bool:
-        return git(tree, "cat-file", "-e", f"{rev}:{path}", check=False).returncode == 0
-
-    return sorted(path for path in candidates
-                  if in_tree(old_base, path) and not in_tree(progress["pin"]["base_tag"], path))
+def _project_digests(layout: Layout) -> dict[str, str]:
+    """sha256 of pin.toml and of every file under patches/ and vllm_overlay/."""
+    found = {}
+    for name in _PROJECT_FILES:
+        top = layout.root / name
+        paths = [top] if not top.is_dir() or top.is_symlink() else \
+            [Path(d) / f for d, _, files in os.walk(top) for f in files]
+        for path in paths:
+            if digest := apply.file_sha256(path):
+                found[path.relative_to(layout.root).as_posix()] = digest
+    return found
 
 
 def _finish(layout: Layout, progress: dict) -> None:
-    tree = layout.tree
-    new = _pin_from_dict(progress["pin"])
-    # Before anything changes: the export at the end must not overwrite patches/
-    # edited since the rebase read them.
-    apply.refuse_overwriting_edits(layout, apply.rendered_stack(layout, new.base_tag),
-                                   synced=progress.get("synced"))
-    git(tree, "checkout", "-q", "-B", BRANCH, head(tree))
-    git(tree, "branch", "-q", "-D", rebase_branch(new.version))
-    write_atomically(layout.pin_file, render_pin(new).encode())
-    write_state(tree, base_tag=new.base_tag, base_sdist_sha256=new.sdist.sha256,
-                base_commit=git(tree, "rev-parse", new.base_tag).stdout.strip(),
-                rebase=None, status="applied", synced=progress.get("synced"))
-    apply.export_patches(layout)
-    merged = progress["three_way"]
-    say(f"rebased onto vLLM {new.version}; pin.toml updated"
-        + (f"; review the 3-way merged patches: {', '.join(merged)}" if merged else "")
-        + ". Next: `make test`, then commit pin.toml, patches/ and vllm_overlay/.")
+    tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
+    if dirty := dirty_files(tree):
+        raise StackError(f"{where} has uncommitted changes ({', '.join(dirty[:5])}): commit "
+                         f"them (`git -C {where} commit --fixup=<patch's commit>` folds them "
+                         f"into it) or stash them, then run `make rebase VLLM_VERSION="
+                         f"{version}` again")
+    if git(tree, "rev-list", "--merges", f"{progress['pin']['base_tag']}..HEAD").stdout.strip():
+        raise StackError(f"{where} has merge commits on {rebase_branch(version)}; the stack "
+                         "must be linear")
+    rendered = apply.rendered_stack(layout, progress["pin"]["base_tag"])
+    if edited := sorted(set(_project_digests(layout).items()) ^ set(progress["project"].items())):
+        raise StackError(
+            "changed since `make rebase` began: " + ", ".join(sorted({p for p, _ in edited}))
+            + f". The finish replaces them: put them back (`git checkout -- <file>` in the "
+            f"project), or give the rebase up with `make rebase-abandon`; then run "
+            f"`make rebase VLLM_VERSION={version}` again")
+    staging = tree / ".git" / "k3-rebase-finish"
+    if staging.exists():
+        discard(staging)  # from a finish killed before its journal
+    _stage(layout, progress, rendered, staging / "new")
+    progress["finishing"] = {"head": head(tree), "patches": list(rendered)}
+    _save(layout, progress)  # the journal: from here the next run completes it
+    _complete_finish(layout, progress)
+
+
+def _stage(layout: Layout, progress: dict, rendered: dict[str, bytes], new: Path) -> None:
+    """The new pin.toml, patches/ and vllm_overlay/, complete, under `new`."""
+    pin = _pin_from_dict(progress["pin"])
+    new.mkdir(parents=True)
+    (new / "pin.toml").write_bytes(render_pin(pin).encode())
+    patches = new / "patches"
+    shutil.copytree(layout.patches_dir, patches, symlinks=True)  # its other files stay
+    old_names = set(series_names(layout))
+    for name, content in rendered.items():
+        (patches / name).write_bytes(content)
+    (patches / "series").write_bytes(series_text(list(rendered)))
+    dropped = old_names - rendered.keys()
+    for name in dropped:
+        (patches / name).unlink(missing_ok=True)
+    for note in apply.notes_to_remove(layout, dropped, added=rendered.keys() - old_names):
+        (patches / note).unlink()
+        say(f"removed patches/{note}: its patch left the series (the project's git has it)")
+    for name in sorted(dropped):
+        say(f"  dropped {name}: git's rebase left nothing of it (upstream has it, or it "
+            "was skipped)")
+    files = overlay.render(layout.tree, pin, pin.base_tag, "HEAD", list(rendered))
+    for path, content in files.items():
+        (new / "vllm_overlay" / path).parent.mkdir(parents=True, exist_ok=True)
+        (new / "vllm_overlay" / path).write_bytes(content)
+
+
+def _complete_finish(layout: Layout, progress: dict) -> None:
+    """Move the staged files into place, then make the rebased branch `stack`.
+    Each step can be done again: a killed finish is completed by the next run."""
+    tree, journal = layout.tree, progress["finishing"]
+    staging = tree / ".git" / "k3-rebase-finish"
+    (staging / "old").mkdir(exist_ok=True)
+    for name in _PROJECT_FILES:
+        new, current, old = staging / "new" / name, layout.root / name, staging / "old" / name
+        if not os.path.lexists(new):
+            continue  # moved into place already
+        if os.path.lexists(current) and not os.path.lexists(old):
+            os.replace(current, old)
+        os.replace(new, current)
+    git(tree, "checkout", "-q", "-B", BRANCH, journal["head"])
+    if git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{rebase_branch(progress['version'])}",
+           check=False).returncode == 0:
+        git(tree, "branch", "-q", "-D", rebase_branch(progress["version"]))
+    pin = _pin_from_dict(progress["pin"])
+    write_state(tree, base_tag=pin.base_tag, base_sdist_sha256=pin.sdist.sha256,
+                base_commit=progress["release"], rebase=None, status="applied",
+                applied_head=journal["head"], applied_digest=series_digest(read_series(layout)),
+                synced=apply.patches_snapshot(layout), exporting=None)
+    discard(staging)
+    review = _touched_upstream_changes(layout, progress)
+    say(f"rebased onto vLLM {pin.version}; pin.toml, patches/ ({len(journal['patches'])} "
+        "patch(es)) and vllm_overlay/ updated"
+        + (f"; upstream changed files these patches change, review them: {', '.join(review)}"
+           if review else "")
+        + ". Next: `make lock`, `make test`, then commit pin.toml, requirements/, patches/ "
+        "and vllm_overlay/.")
+
+
+def _touched_upstream_changes(layout: Layout, progress: dict) -> list[str]:
+    """The patches whose files upstream changed between the two releases: their
+    rebase was a real merge, worth a review."""
+    tree, new_base = layout.tree, progress["pin"]["base_tag"]
+    changed = set(git(tree, "diff", "--name-only", "-z", progress["old_base"],
+                      new_base).stdout.split("\0"))
+    review = []
+    for commit in git(tree, "rev-list", "--reverse", f"{new_base}..HEAD").stdout.split():
+        touched = git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
+                      commit).stdout.split("\0")[:-1]
+        if changed.intersection(touched):
+            subject = git(tree, "log", "-1", "--format=%s", commit).stdout.strip()
+            review.append(apply.patch_name(subject))
+    return review
 
 
 def _pin_dict(pin: Pin) -> dict:

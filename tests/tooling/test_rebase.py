@@ -49,7 +49,7 @@ def test_rebase_with_a_3way_merge_succeeds(stacked, upstream, index):
     old_head = stacked.head()
     old_patch_2 = (stacked.patches / PATCH_2).read_bytes()
     result = stacked.ok("rebase", V2)
-    assert f"rebased onto vLLM {V2}; pin.toml updated" in result.stdout
+    assert f"rebased onto vLLM {V2}; pin.toml, patches/" in result.stdout
     # pin.toml: the new release with the index's sizes and hashes, the upstream commit.
     expected = Pin(V2, COMMIT_V2, f"vllm-{V2}", artifact_of(sdist), artifact_of(wheel))
     assert (stacked.root / "pin.toml").read_text() == render_pin(expected)
@@ -80,11 +80,11 @@ def test_rebase_with_a_3way_merge_succeeds(stacked, upstream, index):
     assert "2 patch(es) already applied" in stacked.ok("apply").stdout
 
 
-def test_rebase_names_the_3way_merged_patch_for_review(stacked, upstream):
+def test_rebase_names_the_patches_upstream_changed_under(stacked, upstream):
     upstream(FOO_V2_MERGEABLE)
     result = stacked.ok("rebase", V2)
-    assert f"applied {PATCH_1} (3-way merged: review it)" in result.stdout
-    assert f"review the 3-way merged patches: {PATCH_1}" in result.stdout
+    assert f"upstream changed files these patches change, review them: {PATCH_1}" \
+        in result.stdout
 
 
 def test_rebase_stops_at_a_conflict_then_finishes_after_resolution(stacked, upstream):
@@ -99,11 +99,11 @@ def test_rebase_stops_at_a_conflict_then_finishes_after_resolution(stacked, upst
     assert (stacked.root / "pin.toml").read_bytes() == pin_before
     assert stacked.patch_bytes() == patches_before
     assert stacked.git("rev-parse", f"stack-{V1}")  # the old stack is kept
-    assert (stacked.tree / ".git" / "rebase-apply").exists()
+    assert (stacked.tree / ".git" / "rebase-merge").exists()
 
     # While the rebase is stopped, apply refuses and another version is refused.
     blocked = stacked.run("apply")
-    assert blocked.returncode == 1 and "git am` is in progress" in blocked.stderr
+    assert blocked.returncode == 1 and "make rebase-abandon" in blocked.stderr
     other = stacked.run("rebase", "0.3.0")
     assert other.returncode == 1
     assert f"a rebase to vLLM {V2} is in progress" in other.stderr
@@ -113,8 +113,7 @@ def test_rebase_stops_at_a_conflict_then_finishes_after_resolution(stacked, upst
     (stacked.tree / "vllm/models/foo.py").write_text(resolved)
     stacked.git("add", "vllm/models/foo.py")
     result = stacked.ok("rebase", V2)
-    assert f"resolved {PATCH_1}" in result.stdout
-    assert f"rebased onto vLLM {V2}; pin.toml updated" in result.stdout
+    assert f"rebased onto vLLM {V2}; pin.toml, patches/" in result.stdout
     expected = Pin(V2, COMMIT_V2, f"vllm-{V2}", artifact_of(sdist), artifact_of(wheel))
     assert (stacked.root / "pin.toml").read_text() == render_pin(expected)
     assert stacked.series() == [PATCH_1, PATCH_2]
@@ -123,7 +122,7 @@ def test_rebase_stops_at_a_conflict_then_finishes_after_resolution(stacked, upst
     assert (stacked.patches / PATCH_2).read_bytes() == patches_before[PATCH_2]
     assert (stacked.tree / "vllm/models/foo.py").read_text() == resolved
     assert subjects(stacked, f"vllm-{V2}") == [SUBJECT_1, SUBJECT_2]
-    assert not (stacked.tree / ".git" / "rebase-apply").exists()
+    assert not (stacked.tree / ".git" / "rebase-merge").exists()
     assert stacked.state().get("rebase") is None
     assert "check OK: 2 patch(es)" in stacked.ok("check").stdout
 
@@ -159,20 +158,18 @@ def test_rebase_refuses_unexported_work(stacked, upstream):
 
 
 def test_only_an_explicit_skip_drops_a_patch(stacked, upstream):
-    """`git am --abort` (which `make apply` suggests) undoes the stop; the rebase
-    applies the patch again. Only `git am --skip` drops it."""
+    """`git rebase --abort` puts branch rebase-<v> back on the old stack; the next
+    `make rebase` applies the patch again. Only `git rebase --skip` drops it."""
     upstream(FOO_V2_CONFLICT)
     for _ in range(2):
         result = stacked.run("rebase", V2)
         assert result.returncode == 1 and f"{PATCH_1} conflicts" in result.stderr
-        stacked.git("am", "--abort")
+        stacked.git("rebase", "--abort")
     result = stacked.run("rebase", V2)
-    assert result.returncode == 1, result.stdout
-    assert f"the `git am` of {PATCH_1} was undone" in result.stdout
-    assert "dropped" not in result.stdout
-    stacked.git("am", "--skip")
+    assert result.returncode == 1 and f"{PATCH_1} conflicts" in result.stderr
+    stacked.git("rebase", "--skip")
     result = stacked.ok("rebase", V2)
-    assert f"dropped {PATCH_1} (skipped with `git am --skip`" in result.stdout
+    assert f"dropped {PATCH_1}: git's rebase left nothing of it" in result.stdout
     assert stacked.series() == [PATCH_2]
     assert subjects(stacked, f"vllm-{V2}") == [SUBJECT_2]
 
@@ -197,7 +194,7 @@ def test_a_patch_whose_file_upstream_deleted_is_not_called_a_conflict(stacked,
         "drop the patch" in result.stderr
     assert "conflicts with" not in result.stderr
     # Dropping it, as the message says, finishes the rebase.
-    stacked.git("am", "--skip")
+    stacked.git("rebase", "--skip")
     result = stacked.ok("rebase", V2)
     assert f"dropped {PATCH_1}" in result.stdout
     assert stacked.series() == [PATCH_2]
@@ -212,7 +209,7 @@ def test_starting_again_never_resets_a_branch_holding_resolved_patches(stacked, 
     (stacked.tree / "vllm/models/foo.py").write_text(
         FOO_V2_CONFLICT.replace("BLOCK = 32", "BLOCK = 64"))
     stacked.git("add", "vllm/models/foo.py")
-    stacked.git("am", "--continue")
+    stacked.git("-c", "core.editor=:", "rebase", "--continue")
     resolved = stacked.git("rev-parse", f"rebase-{V2}")
     stacked.git("checkout", "-q", "stack")
     state = stacked.state()
@@ -221,7 +218,7 @@ def test_starting_again_never_resets_a_branch_holding_resolved_patches(stacked, 
     stacked.state_file.write_text(__import__("json").dumps(state))
     result = stacked.run("rebase", V2)
     assert result.returncode == 1
-    assert f"branch rebase-{V2} in build/vllm holds 1 commit(s) of an earlier rebase" \
+    assert f"branch rebase-{V2} in build/vllm holds 2 commit(s) of an earlier rebase" \
         in result.stderr
     assert stacked.git("rev-parse", f"rebase-{V2}") == resolved
     assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack"
@@ -232,7 +229,7 @@ def test_abandon_goes_back_to_the_old_stack_and_keeps_the_work_as_a_branch(stack
     old_head = stacked.head()
     pin, patches = (stacked.root / "pin.toml").read_bytes(), stacked.patch_bytes()
     result = stacked.run("rebase", V2)
-    assert "To give up: `make rebase-abandon`" in result.stderr
+    assert "to give up: `make rebase-abandon`" in result.stderr
     half = FOO_V2_CONFLICT.replace("BLOCK = 32", "BLOCK = 48  # half resolved")
     (stacked.tree / "vllm/models/foo.py").write_text(half)
     stacked.no_git_identity()  # as on a fresh machine (CI)
@@ -243,7 +240,7 @@ def test_abandon_goes_back_to_the_old_stack_and_keeps_the_work_as_a_branch(stack
     # Back where it was, nothing changed in the project.
     assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack"
     assert stacked.head() == old_head
-    assert not (stacked.tree / ".git" / "rebase-apply").exists()
+    assert not (stacked.tree / ".git" / "rebase-merge").exists()
     assert stacked.state().get("rebase") is None
     assert (stacked.root / "pin.toml").read_bytes() == pin
     assert stacked.patch_bytes() == patches
@@ -276,7 +273,7 @@ def test_a_dropped_patch_takes_its_committed_notes_along(stacked, upstream_witho
     stacked.git("add", "patches", cwd=stacked.root)
     stacked.git("commit", "-q", "-m", "project", cwd=stacked.root)
     assert stacked.run("rebase", V2).returncode == 1
-    stacked.git("am", "--skip")
+    stacked.git("rebase", "--skip")
     result = stacked.ok("rebase", V2)
     assert f"removed patches/notes/{stem_1}.md: its patch left the series" in result.stdout
     assert sorted(p.name for p in notes.iterdir()) == [f"{stem_2}.md"]
@@ -290,7 +287,7 @@ def test_the_notes_of_a_dropped_patch_are_kept_when_not_committed_as_they_are(
     note = notes / f"{PATCH_1.removesuffix('.patch')}.md"
     note.write_text("# written today, never committed\n")
     assert stacked.run("rebase", V2).returncode == 1
-    stacked.git("am", "--skip")
+    stacked.git("rebase", "--skip")
     result = stacked.ok("rebase", V2)
     assert f"kept patches/notes/{note.name}: its patch left the series" in result.stderr
     assert note.read_text() == "# written today, never committed\n"
