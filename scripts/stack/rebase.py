@@ -554,6 +554,12 @@ def _project_digests(layout: Layout) -> dict[str, str]:
     return found
 
 
+def _staging(layout: Layout) -> Path:
+    """Where the finish puts the new files, and the old ones once replaced (in
+    build/, beside what they replace: moving them is a rename)."""
+    return layout.build_dir / "rebase-finish"
+
+
 def _finish(layout: Layout, progress: dict) -> None:
     tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
     if dirty := dirty_files(tree):
@@ -571,7 +577,7 @@ def _finish(layout: Layout, progress: dict) -> None:
             + f". The finish replaces them: put them back (`git checkout -- <file>` in the "
             f"project), or give the rebase up with `make rebase-abandon`; then run "
             f"`make rebase VLLM_VERSION={version}` again")
-    staging = tree / ".git" / "k3-rebase-finish"
+    staging = _staging(layout)
     if staging.exists():
         discard(staging)  # from a finish killed before its journal
     _stage(layout, progress, rendered, staging / "new")
@@ -610,25 +616,26 @@ def _complete_finish(layout: Layout, progress: dict) -> None:
     """Move the staged files into place, then make the rebased branch `stack`.
     Each step can be done again: a killed finish is completed by the next run."""
     tree, journal = layout.tree, progress["finishing"]
-    staging = tree / ".git" / "k3-rebase-finish"
-    (staging / "old").mkdir(exist_ok=True)
+    staging = _staging(layout)
     for name in _PROJECT_FILES:
         new, current, old = staging / "new" / name, layout.root / name, staging / "old" / name
         if not os.path.lexists(new):
             continue  # moved into place already
         if os.path.lexists(current) and not os.path.lexists(old):
+            old.parent.mkdir(exist_ok=True)
             os.replace(current, old)
         os.replace(new, current)
     git(tree, "checkout", "-q", "-B", BRANCH, journal["head"])
     if git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{rebase_branch(progress['version'])}",
            check=False).returncode == 0:
         git(tree, "branch", "-q", "-D", rebase_branch(progress["version"]))
+    if staging.exists():
+        discard(staging)  # the old pin.toml, patches/ and vllm_overlay/
     pin = _pin_from_dict(progress["pin"])
     write_state(tree, base_tag=pin.base_tag, base_sdist_sha256=pin.sdist.sha256,
                 base_commit=progress["release"], rebase=None, status="applied",
                 applied_head=journal["head"], applied_digest=series_digest(read_series(layout)),
                 synced=apply.patches_snapshot(layout), exporting=None)
-    discard(staging)
     review = _touched_upstream_changes(layout, progress)
     say(f"rebased onto vLLM {pin.version}; pin.toml, patches/ ({len(journal['patches'])} "
         "patch(es)) and vllm_overlay/ updated"
