@@ -50,7 +50,10 @@ _MAX_GROWTH = 4
 _PROJECT_FILES = ("pin.toml", "patches", "vllm_overlay")
 # git's rebase, run without an editor; `rerere` replays a recorded resolution.
 _GIT_REBASE_ENV = {"GIT_EDITOR": ":", "GIT_SEQUENCE_EDITOR": ":"}
-_RERERE = ["-c", "rerere.enabled=true", "-c", "rerere.autoUpdate=true"]
+_RERERE = ["-c", "rerere.enabled=true", "-c", "rerere.autoUpdate=true",
+           # git comments out its notes on a conflict with this; "#" would strip
+           # a patch message's own "## Purpose" headings too.
+           "-c", "core.commentChar=auto"]
 
 
 def rebase(layout: Layout, version: str) -> None:
@@ -150,7 +153,7 @@ def _check_against_git(layout: Layout, progress: dict) -> None:
 def _start(layout: Layout, version: str) -> dict:
     old = load_pin(layout.pin_file)
     if version == old.version:
-        raise StackError(f"the stack is already on vLLM {version}")
+        raise StackError(f"the stack is already on vLLM {version} (pin.toml): nothing to do")
     tree = layout.tree
     apply.guard_tree(layout, "`make rebase`")
     old_base = read_state(tree)["base_tag"]
@@ -253,13 +256,15 @@ def _drive(layout: Layout, progress: dict) -> None:
                     new_base]
         else:
             return
-        if _run_git(layout, progress, args).returncode == 0:
+        before = _position(tree) if _rebase_dir(tree).is_dir() else None
+        result = _run_git(layout, progress, args)
+        if result.returncode == 0:
             continue
-        if not _rebase_dir(tree).is_dir():
-            raise StackError(f"`git {' '.join(args)}` failed in {rel(tree, layout)}; "
-                             "fix what it says, then run the same `make rebase` again")
-        if _unmerged(tree) or _in_the_way(tree):
+        if _rebase_dir(tree).is_dir() and (_unmerged(tree) or _in_the_way(tree)):
             raise _stop(layout, progress)
+        if not _rebase_dir(tree).is_dir() or _position(tree) == before:
+            raise _git_refused(layout, progress, args, result.stdout + result.stderr)
+        # git stopped at a new pick with nothing left unmerged: rerere resolved it all.
         say(f"  {_stopped_patch(tree)}: reused the recorded resolution of the same conflict")
 
 
@@ -352,6 +357,16 @@ def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
                 f"commit after the patch is applied")
 
 
+def _git_refused(layout: Layout, progress: dict, args: list[str], output: str) -> StackError:
+    """git did not move (unstaged changes, say): its own words, and the next step."""
+    lines = [ln for ln in apply.git_advice_removed(output).splitlines()
+             if ln.startswith(("error:", "fatal:"))] or output.strip().splitlines()[-1:]
+    return StackError(f"`git {' '.join(args)}` stopped in {rel(layout.tree, layout)}: "
+                      f"{' '.join(lines) or 'no reason given'}. Fix that there (`git -C "
+                      f"{rel(layout.tree, layout)} status` shows what is left), then run "
+                      f"`make rebase VLLM_VERSION={progress['version']}` again")
+
+
 def _stop(layout: Layout, progress: dict, stuck: bool = False) -> StackError:
     """Record where git stopped (its pick, and HEAD: a commit made during the stop
     is told from it) and say what to do next."""
@@ -427,26 +442,53 @@ def _undo_git_rebase(layout: Layout, progress: dict) -> None:
     blob of the release or of the commits git was on. Any other file is kept."""
     tree = layout.tree
     was_at = git(tree, "rev-parse", "HEAD").stdout.strip()
+    branch = rebase_branch(progress["version"])
+    _refuse_clobbering(layout, branch, [was_at, progress["release"]])
     if _rebase_dir(tree).is_dir() and git(tree, "rebase", "--abort",
                                           check=False).returncode != 0:
         git(tree, "rebase", "--quit")  # killed before its state was complete
-    git(tree, "checkout", "-q", "-f", rebase_branch(progress["version"]))
+    git(tree, "checkout", "-q", "-f", branch)
     _remove_files_git_wrote(tree, [was_at, progress["release"]])
 
 
-def _remove_files_git_wrote(tree: Path, revs: list[str]) -> None:
+def _untracked_blobs(tree: Path) -> dict[str, str]:
+    """Each untracked file (ignored ones too) with its blob id."""
     untracked = git(tree, "ls-files", "--others", "-z").stdout.split("\0")[:-1]
     if not untracked:
-        return
-    written = set()  # (blob id, path) of each file of `revs`
-    for rev in revs:
-        for entry in git(tree, "ls-tree", "-r", "-z", rev).stdout.split("\0")[:-1]:
-            meta, path = entry.split("\t", 1)
-            written.add((meta.split()[2], path))
+        return {}
     hashes = git(tree, "hash-object", "--no-filters", "--stdin-paths",
                  input="".join(f"{p}\n" for p in untracked)).stdout.split()
-    for path, blob in zip(untracked, hashes):
-        if (blob, path) in written:
+    return dict(zip(untracked, hashes))
+
+
+def _tree_blobs(tree: Path, rev: str) -> set[tuple[str, str]]:
+    """(blob id, path) of each file of `rev`."""
+    found = set()
+    for entry in git(tree, "ls-tree", "-r", "-z", rev).stdout.split("\0")[:-1]:
+        meta, path = entry.split("\t", 1)
+        found.add((meta.split()[2], path))
+    return found
+
+
+def _refuse_clobbering(layout: Layout, target: str, git_wrote: list[str]) -> None:
+    """Going back to `target` with a forced checkout overwrites untracked files
+    where it has files (git takes ignored ones as expendable): refuse while any
+    of them is not a file git itself wrote (a blob of `git_wrote` there)."""
+    tree, where = layout.tree, rel(layout.tree, layout)
+    at_target = {path for _, path in _tree_blobs(tree, target)}
+    ours = set().union(*(_tree_blobs(tree, rev) for rev in git_wrote))
+    yours = sorted(p for p, blob in _untracked_blobs(tree).items()
+                   if p in at_target and (blob, p) not in ours)
+    if yours:
+        raise StackError(f"going back to branch {target} in {where} would overwrite "
+                         f"untracked files of yours: {', '.join(yours[:5])}. Move them out "
+                         f"of {where}, then run the same command again")
+
+
+def _remove_files_git_wrote(tree: Path, revs: list[str]) -> None:
+    ours = set().union(*(_tree_blobs(tree, rev) for rev in revs))
+    for path, blob in _untracked_blobs(tree).items():
+        if (blob, path) in ours:
             (tree / path).unlink()
 
 
@@ -474,6 +516,8 @@ def abandon(layout: Layout) -> None:
                          f"VLLM_VERSION={version}`")
     if progress.get("git"):
         remove_stale_git_locks(tree)  # our own git, killed
+    if isinstance(progress.get("release"), str):
+        _refuse_clobbering(layout, BRANCH, [head(tree), progress["release"]])
     progress["git"] = "abandon"
     _save(layout, progress)
     if not _unmerged(tree):  # every conflict resolved and added: the next rebase reuses it
