@@ -9,6 +9,7 @@ import pytest
 from scripts.stack.pin import Pin, render_pin
 from tests.tooling.conftest import (
     FOO_V1,
+    RATIONALE,
     PATCH_1,
     PATCH_2,
     SUBJECT_1,
@@ -341,6 +342,25 @@ def test_a_give_up_and_a_restart_reuse_the_resolution(stacked, upstream):
     assert "reused the recorded resolution" in result.stdout
     assert "-BLOCK = 32\n+BLOCK = 64\n" in (stacked.patches / PATCH_1).read_text()
     assert stacked.series() == [PATCH_1, PATCH_2]
+
+
+def test_a_resolved_patch_keeps_the_headings_of_its_message(stacked, upstream):
+    """Before: git took "## Purpose" for a comment when it committed a resolution."""
+    message = stacked.git("log", "-1", "--format=%B", "HEAD~1")
+    stacked.git("checkout", "-q", "HEAD~1")
+    stacked.git("commit", "-q", "--amend", "-F", "-", input=message.replace(
+        RATIONALE, "## Purpose\n\n" + RATIONALE + "\n\n## Test Plan\n\nrun it"))
+    stacked.git("cherry-pick", "stack")
+    stacked.git("branch", "-f", "stack", "HEAD")
+    stacked.git("checkout", "-q", "stack")
+    stacked.ok("patches")
+    upstream(FOO_V2_CONFLICT)
+    assert stacked.run("rebase", V2).returncode == 1
+    resolve_patch_1(stacked)
+    stacked.ok("rebase", V2)
+    text = (stacked.patches / PATCH_1).read_text()
+    assert "\n## Purpose\n" in text and "\n## Test Plan\n" in text
+    assert "Conflicts:" not in text
 
 
 def test_a_commit_made_during_a_stop_drops_no_patch(stacked, upstream):
