@@ -141,13 +141,12 @@ def rebase_in_progress(tree: Path) -> str | None:
     if not is_stack_repo(tree):
         return None
     progress = read_state(tree).get("rebase")
-    if progress:
-        version = progress.get("version") if isinstance(progress, dict) else None
-        return version if isinstance(version, str) else "?"
+    version = progress.get("version") if isinstance(progress, dict) else None
     head_name = tree / ".git" / "rebase-merge" / "head-name"
     ref = head_name.read_text().strip() if head_name.is_file() else ""
-    return ref.removeprefix("refs/heads/rebase-") if ref.startswith("refs/heads/rebase-") \
-        else None
+    if not isinstance(version, str) and ref.startswith("refs/heads/rebase-"):
+        version = ref.removeprefix("refs/heads/rebase-")
+    return version if isinstance(version, str) else "?" if progress else None
 
 
 def refuse_during_rebase(layout: Layout, command: str) -> None:

@@ -1,23 +1,21 @@
 """`make rebase VLLM_VERSION=x.y.z`: move the stack onto another vLLM release.
 
-A thin layer over git's own rebase. The new release is committed in
-build/vllm as a child of the old one (tag `vllm-<new>`); branch
-`rebase-<new>`, started at `stack`, is moved onto it with `git rebase --onto`.
-Git keeps the rebase's state (which patch is next, where it stopped) and
-survives kills; `rerere` records every resolution, so a give-up and a restart
-reuse them. What this module reports comes from git. What it must remember
-beyond git (the new pin, what the project's files held when it began, the git
-command it was running) is in the state file, and is checked against git
-before anything is done.
+A thin layer over `git rebase --onto`. The new release is committed in
+build/vllm as a child of the old one (tag `vllm-<new>`), and branch
+`rebase-<new>`, started at `stack`, is rebased onto it. Git keeps the rebase's
+state and reports where it stopped; `rerere` records each resolution, so a
+restart reuses it. The state file's `rebase` entry holds only what git cannot:
+the new pin, the release commit, digests of the project's files, and which
+git of ours is running (a kill inside it is undone by the next run).
 
-Only when git's rebase is done are pin.toml, patches/ and vllm_overlay/
-replaced, together: staged in full, then moved into place under a journal
-that the next run completes after a kill. The old stack stays as branch
-`stack-<old version>`.
+pin.toml, patches/ and vllm_overlay/ change only once git's rebase is done:
+staged in full, then moved into place under a journal that the next run
+completes after a kill. The old stack stays as branch `stack-<old version>`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -29,15 +27,16 @@ from scripts.stack.fetch import IndexUnreachable, ensure_artifact, find_in_index
 from scripts.stack.gitrepo import (
     BRANCH,
     TOOL_IDENTITY,
+    commits_since,
     dirty_files,
     git,
     head,
     import_release,
     is_stack_repo,
     read_state,
+    rebase_in_progress,
     release_commit_id,
     remove_stale_git_locks,
-    rebase_in_progress,
     write_state,
 )
 from scripts.stack.pin import Artifact, Pin, check_version, load_pin, render_pin
@@ -48,28 +47,25 @@ from scripts.stack.series import read_series, series_digest, series_names, serie
 _MAX_GROWTH = 4
 # What the finish writes, relative to the project root, all or nothing.
 _PROJECT_FILES = ("pin.toml", "patches", "vllm_overlay")
-# git's rebase, run without an editor; `rerere` replays a recorded resolution.
+# git's rebase runs without an editor. Its notes on a conflict are commented
+# out with core.commentChar: "#" would strip a patch message's "## Purpose" too.
 _GIT_REBASE_ENV = {"GIT_EDITOR": ":", "GIT_SEQUENCE_EDITOR": ":"}
-_RERERE = ["-c", "rerere.enabled=true", "-c", "rerere.autoUpdate=true",
-           # git comments out its notes on a conflict with this; "#" would strip
-           # a patch message's own "## Purpose" headings too.
-           "-c", "core.commentChar=auto"]
+_COMMENT_CHAR = ["-c", "core.commentChar=auto"]
 
 
 def rebase(layout: Layout, version: str) -> None:
     check_version(version, "VLLM_VERSION", "give a release, as in "
                   "`make rebase VLLM_VERSION=0.34.0`")
-    tree = layout.tree
-    if not is_stack_repo(tree):
-        raise StackError(f"{rel(tree, layout)} does not exist; run `make apply` first")
+    if not is_stack_repo(layout.tree):
+        raise StackError(f"{rel(layout.tree, layout)} does not exist; run `make apply` first")
     progress = _progress(layout)
+    if progress and progress.get("git") == "abandon":
+        raise StackError("the last `make rebase-abandon` was killed; run `make "
+                         "rebase-abandon` again to finish giving the rebase up")
     if progress and progress["version"] != version:
         raise StackError(f"a rebase to vLLM {progress['version']} is in progress in "
-                         f"{rel(tree, layout)}; finish it with `make rebase VLLM_VERSION="
+                         f"{rel(layout.tree, layout)}; finish it with `make rebase VLLM_VERSION="
                          f"{progress['version']}` or give it up with `make rebase-abandon`")
-    if progress and progress.get("git") == "abandon":
-        raise StackError("the last `make rebase-abandon` was killed; run "
-                         "`make rebase-abandon` again to finish giving the rebase up")
     if progress is None:
         progress = _start(layout, version)
     elif progress.get("finishing"):
@@ -77,74 +73,76 @@ def rebase(layout: Layout, version: str) -> None:
         return
     elif progress.get("git"):
         _recover_killed_git(layout, progress)
-    _check_against_git(layout, progress)
+    _check_branch(layout, progress)
     _drive(layout, progress)
     _finish(layout, progress)
 
 
-# --- what the tool remembers, checked against git ------------------------------
+# --- what the tool remembers, and where git is ---------------------------------------
 
 
 def _progress(layout: Layout) -> dict | None:
     """The state file's rebase entry, or None; one line if it is damaged."""
     progress = read_state(layout.tree).get("rebase")
-    if progress is None:
-        return None
     keys = {"version": str, "pin": dict, "old_base": str, "old_branch": str,
             "release": str, "project": dict}
-    if not isinstance(progress, dict) or any(
-            not isinstance(progress.get(k), t) for k, t in keys.items()):
-        raise StackError(f"{rel(layout.tree, layout)}/.git/k3-stack.json: its rebase entry "
-                         "is damaged; give the rebase up with `make rebase-abandon` (git's "
-                         "own state is kept as a branch), then start it again")
-    return progress
+    if progress is None or isinstance(progress, dict) and all(
+            isinstance(progress.get(k), t) for k, t in keys.items()):
+        return progress
+    raise StackError(f"{rel(layout.tree, layout)}/.git/k3-stack.json: its rebase entry is "
+                     "damaged; give the rebase up with `make rebase-abandon` (git's own "
+                     "state is kept as a branch), then start it again")
 
 
 def _save(layout: Layout, progress: dict) -> None:
     write_state(layout.tree, rebase=progress)
 
 
+def _branch(progress: dict) -> str:
+    return f"rebase-{progress['version']}"
+
+
+def _again(progress: dict) -> str:
+    return f"then run `make rebase VLLM_VERSION={progress['version']}` again"
+
+
+def _pin(progress: dict) -> Pin:
+    d = progress["pin"]
+    return Pin(d["version"], d["commit"], d["base_tag"], Artifact(**d["sdist"]),
+               Artifact(**d["wheel"]))
+
+
 def _rebase_dir(tree: Path) -> Path:
     return tree / ".git" / "rebase-merge"
 
 
-def _current_branch(tree: Path) -> str:
-    return git(tree, "symbolic-ref", "-q", "--short", "HEAD", check=False).stdout.strip()
+def _rebase_file(tree: Path, name: str) -> str:
+    """A file of git's rebase state ("msgnum": the todo lines done), or ""."""
+    path = _rebase_dir(tree) / name
+    return path.read_text().strip() if path.exists() else ""
 
 
-def rebase_branch(version: str) -> str:
-    return f"rebase-{version}"
+def _has_ref(tree: Path, ref: str) -> bool:
+    return git(tree, "rev-parse", "-q", "--verify", ref, check=False).returncode == 0
 
 
-def _check_against_git(layout: Layout, progress: dict) -> None:
-    """Refuse, naming the next step, when git's state is not the rebase's."""
-    tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
-    branch, tag = rebase_branch(version), progress["pin"]["base_tag"]
-    go_on = (f"then run `make rebase VLLM_VERSION={version}` (or give the rebase up "
-             "with `make rebase-abandon`)")
-    commit = git(tree, "rev-parse", "-q", "--verify", f"{tag}^{{commit}}",
-                 check=False).stdout.strip()
-    if commit != progress["release"]:
-        raise StackError(f"{where}: tag {tag} is not the release commit this rebase imported; "
-                         f"put it back with `git -C {where} tag -f {tag} "
-                         f"{progress['release']}`, {go_on}")
-    if git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{branch}",
-           check=False).returncode != 0:
-        raise StackError(f"{where} has no branch {branch}, which held the rebase to vLLM "
-                         f"{version}; give it up with `make rebase-abandon`")
-    if (tree / ".git" / "rebase-apply").exists():
-        raise StackError(f"a `git am` is in progress in {where}; abort it "
-                         f"(`git -C {where} am --abort`), {go_on}")
-    if _rebase_dir(tree).is_dir():
-        rebasing = (_rebase_dir(tree) / "head-name").read_text().strip()
-        if rebasing != f"refs/heads/{branch}":
-            raise StackError(f"a `git rebase` of {rebasing} is in progress in {where}, not "
-                             f"the rebase of {branch}; finish or abort it (`git -C {where} "
-                             f"rebase --abort`), {go_on}")
-    elif (on := _current_branch(tree)) != branch:
-        raise StackError(f"{where} is on {on or 'a detached HEAD'}, not on branch {branch} "
-                         f"where the rebase to vLLM {version} is: `git -C {where} checkout "
-                         f"{branch}`, {go_on}")
+def _subject(tree: Path, rev: str) -> str:
+    return git(tree, "log", "-1", "--format=%s", rev).stdout.strip()
+
+
+def _check_branch(layout: Layout, progress: dict) -> None:
+    """Go on only on branch rebase-<v>, or in git's rebase of it. (A tag moved
+    meanwhile does no harm: git is given the release's commit.)"""
+    tree, where, branch = layout.tree, rel(layout.tree, layout), _branch(progress)
+    rebasing = _rebase_file(tree, "head-name").removeprefix("refs/heads/")
+    on = rebasing or git(tree, "symbolic-ref", "-q", "--short", "HEAD",
+                         check=False).stdout.strip()
+    if on != branch:
+        fix = "rebase --abort" if rebasing else f"checkout {branch}"
+        raise StackError(f"{where} is {'rebasing' if rebasing else 'on'} "
+                         f"{on or 'a detached HEAD'}, not on branch {branch} where the rebase "
+                         f"to vLLM {progress['version']} is: `git -C {where} {fix}`, "
+                         f"{_again(progress)} (or give the rebase up: `make rebase-abandon`)")
 
 
 # --- start ------------------------------------------------------------------------
@@ -161,49 +159,47 @@ def _start(layout: Layout, version: str) -> dict:
     apply.refuse_overwriting_edits(layout, apply.rendered_stack(layout, old_base))
     _refuse_resetting_work(layout, version)
     new = pin_for(old, version)
-    sdist = ensure_artifact(layout, new.project, new.sdist)
-    release = import_release(layout, new, sdist, parent=old_base)
-    new = Pin(new.version, release_commit_id(tree, release) or "unknown",
-              new.base_tag, new.sdist, new.wheel)
-    progress = {"version": version, "pin": _pin_dict(new), "old_base": old_base,
+    release = import_release(layout, new, ensure_artifact(layout, new.project, new.sdist),
+                             parent=old_base)
+    new = dataclasses.replace(new, commit=release_commit_id(tree, release) or "unknown")
+    progress = {"version": version, "pin": dataclasses.asdict(new), "old_base": old_base,
                 "old_branch": f"{BRANCH}-{old.version}", "release": release,
                 "project": _project_digests(layout), "git": "start"}
     _save(layout, progress)  # from here a kill is undone by the next run
-    git(tree, "branch", "-f", progress["old_branch"], BRANCH)
-    git(tree, "checkout", "-q", "-B", rebase_branch(version), BRANCH)
-    # Recorded resolutions are reused when the same conflict comes back.
-    git(tree, "config", "rerere.enabled", "true")
-    git(tree, "config", "rerere.autoUpdate", "true")
-    progress["git"] = None
-    _save(layout, progress)
+    _switch_to_branch(layout, progress)
     say(f"rebasing {len(read_series(layout))} patch(es) from vLLM {old.version} onto "
         f"{version} with `git rebase` (old stack kept as branch {progress['old_branch']})")
     return progress
 
 
-def _commits_only_on(tree: Path, branch: str) -> list[str]:
-    """The commits `branch` holds that no other branch or tag reaches."""
-    ref = f"refs/heads/{branch}"
-    if git(tree, "rev-parse", "-q", "--verify", ref, check=False).returncode != 0:
-        return []
-    # (--exclude takes a branch's name without refs/heads/ before --branches)
-    return git(tree, "rev-list", ref, "--not", f"--exclude={branch}", "--branches",
-               "--tags").stdout.split()
+def _switch_to_branch(layout: Layout, progress: dict) -> None:
+    """Keep the old stack as a branch and check rebase-<v> out at it; done
+    again whole if a kill cut it short (nothing was rebased yet)."""
+    tree = layout.tree
+    git(tree, "branch", "-f", progress["old_branch"], BRANCH)
+    git(tree, "checkout", "-q", "-B", _branch(progress), BRANCH)
+    # Recorded resolutions are reused when the same conflict comes back.
+    git(tree, "config", "rerere.enabled", "true")
+    git(tree, "config", "rerere.autoUpdate", "true")
+    progress["git"] = None
+    _save(layout, progress)
 
 
 def _refuse_resetting_work(layout: Layout, version: str) -> None:
     """A branch left by an earlier rebase (given up by hand) may hold resolved
-    patches: starting again would reset it and leave them to the reflog."""
-    tree, where, branch = layout.tree, rel(layout.tree, layout), rebase_branch(version)
-    if not (commits := _commits_only_on(tree, branch)):
+    patches that no other branch has: starting again would reset it."""
+    tree, where, branch = layout.tree, rel(layout.tree, layout), f"rebase-{version}"
+    if not _has_ref(tree, f"refs/heads/{branch}"):
         return
-    newest = git(tree, "log", "-1", "--format=%s", commits[0]).stdout.strip()
-    raise StackError(
-        f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
-        f"to vLLM {version} (the newest: {newest!r}) that no other branch has; a new "
-        f"rebase would reset it. Keep them under another name (`git -C {where} branch -m "
-        f"{branch} <name>`) or delete the branch (`git -C {where} branch -D {branch}`), "
-        f"then run `make rebase VLLM_VERSION={version}` again.")
+    # (--exclude takes a branch's name without refs/heads/, before --branches)
+    if commits := git(tree, "rev-list", f"refs/heads/{branch}", "--not",
+                      f"--exclude={branch}", "--branches", "--tags").stdout.split():
+        raise StackError(
+            f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
+            f"to vLLM {version} that no other branch has; a new rebase would reset it. Keep "
+            f"them under another name (`git -C {where} branch -m {branch} <name>`) or delete "
+            f"the branch (`git -C {where} branch -D {branch}`), then run `make rebase "
+            f"VLLM_VERSION={version}` again.")
 
 
 def pin_for(old: Pin, version: str) -> Pin:
@@ -235,45 +231,44 @@ def _drive(layout: Layout, progress: dict) -> None:
     """Run git's rebase until it is done or stops for the user: start it, go on
     after a stop (the user ran `make rebase` again), and fold `fixup!` commits
     made during it. A stop that `rerere` resolved in full is gone on from."""
-    tree, new_base = layout.tree, progress["pin"]["base_tag"]
+    tree, release = layout.tree, progress["release"]
     gone_on_from: set[str] = set()
     while True:
+        before = None
         if _rebase_dir(tree).is_dir():
             _refuse_unfinished_stop(layout, progress)
-            position = _position(tree)
-            if position in gone_on_from:  # went on from here in this run, and stopped again
-                raise _stop(layout, progress, stuck=True)
-            gone_on_from.add(position)
+            if (before := _rebase_file(tree, "msgnum")) in gone_on_from:
+                raise _stop(layout, progress, stuck=True)  # went on from here, stopped again
+            gone_on_from.add(before)
             git(tree, "rerere", check=False)  # a kill inside git keeps the resolution
-            args = ["rebase", "--continue"]
-        elif not _is_ancestor(tree, new_base, "HEAD"):
-            args = ["rebase", "--committer-date-is-author-date", "--onto", new_base,
-                    progress["old_base"]]
-        elif fixups := _fixup_commits(tree, new_base):
+            args = ["--continue"]
+        elif not _is_ancestor(tree, release, "HEAD"):
+            args = ["--committer-date-is-author-date", "--onto", release, progress["old_base"]]
+        elif fixups := [s for s in (_subject(tree, c) for c in commits_since(tree, release))
+                        if s.startswith(("fixup! ", "squash! ", "amend! "))]:
             say(f"  folding {len(fixups)} commit(s) made during the rebase into their "
                 f"patches: {', '.join(fixups)}")
-            args = ["rebase", "-i", "--autosquash", "--committer-date-is-author-date",
-                    new_base]
+            args = ["-i", "--autosquash", "--committer-date-is-author-date", release]
         else:
             return
-        before = _position(tree) if _rebase_dir(tree).is_dir() else None
         result = _run_git(layout, progress, args)
         if result.returncode == 0:
             continue
         if _rebase_dir(tree).is_dir() and (_unmerged(tree) or _in_the_way(tree)):
             raise _stop(layout, progress)
-        if not _rebase_dir(tree).is_dir() or _position(tree) == before:
+        if not _rebase_dir(tree).is_dir() or _rebase_file(tree, "msgnum") == before:
             raise _git_refused(layout, progress, args, result.stdout + result.stderr)
         # git stopped at a new pick with nothing left unmerged: rerere resolved it all.
         say(f"  {_stopped_patch(tree)}: reused the recorded resolution of the same conflict")
 
 
 def _run_git(layout: Layout, progress: dict, args: list[str]):
-    """Run git's rebase, with a mark in the state file while it runs: after a
-    kill inside it the next run undoes what it left (_recover_killed_git)."""
-    progress["git"] = args[1]
+    """Run git's rebase, marked in the state file while it runs: after a kill
+    inside it, the next run undoes what it left (_recover_killed_git)."""
+    progress["git"] = args[0]
     _save(layout, progress)
-    result = git(layout.tree, *_RERERE, *args, env=_GIT_REBASE_ENV, check=False)
+    result = git(layout.tree, *_COMMENT_CHAR, "rebase", *args, env=_GIT_REBASE_ENV,
+                 check=False)
     progress["git"] = None
     _save(layout, progress)
     return result
@@ -283,39 +278,25 @@ def _is_ancestor(tree: Path, ancestor: str, rev: str) -> bool:
     return git(tree, "merge-base", "--is-ancestor", ancestor, rev, check=False).returncode == 0
 
 
-def _fixup_commits(tree: Path, base: str) -> list[str]:
-    subjects = git(tree, "log", "--reverse", "--format=%s", f"{base}..HEAD").stdout
-    return [s for s in subjects.splitlines() if s.startswith(("fixup! ", "squash! ", "amend! "))]
-
-
 def _unmerged(tree: Path) -> list[str]:
     return git(tree, "diff", "--name-only", "-z", "--diff-filter=U").stdout.split("\0")[:-1]
 
 
-def _position(tree: Path) -> str:
-    """Where git's rebase is: the number of its todo lines done."""
-    return (_rebase_dir(tree) / "msgnum").read_text().strip() \
-        if (_rebase_dir(tree) / "msgnum").exists() else "0"
-
-
-def _stopped_pick(tree: Path) -> str | None:
-    return git(tree, "rev-parse", "-q", "--verify", "REBASE_HEAD",
-               check=False).stdout.strip() or None
+def _stopped_pick(tree: Path) -> str:
+    return git(tree, "rev-parse", "-q", "--verify", "REBASE_HEAD", check=False).stdout.strip()
 
 
 def _stopped_patch(tree: Path) -> str:
     pick = _stopped_pick(tree)
-    subject = git(tree, "log", "-1", "--format=%s", pick).stdout.strip() if pick else ""
-    return apply.patch_name(subject) if subject else "a patch"
+    return apply.patch_name(_subject(tree, pick)) if pick else "a patch"
 
 
 def _rescheduled(tree: Path) -> bool:
     """git stopped before its pick merged anything (an untracked file in the way):
     the pick is both the last line done and the first still to do."""
-    def lines(name: str) -> list[str]:
-        path = _rebase_dir(tree) / name
-        text = path.read_text() if path.exists() else ""
-        return [ln.split()[:2] for ln in text.splitlines() if ln and not ln.startswith("#")]
+    def lines(name: str) -> list[list[str]]:
+        return [ln.split()[:2] for ln in _rebase_file(tree, name).splitlines()
+                if not ln.startswith("#")]
     done, todo = lines("done"), lines("git-rebase-todo")
     return bool(done and todo and done[-1] == todo[0])
 
@@ -337,34 +318,32 @@ def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
     tree, where = layout.tree, rel(layout.tree, layout)
     if _unmerged(tree) or _in_the_way(tree):
         raise _stop(layout, progress)
-    staged = git(tree, "diff", "--cached", "--quiet", check=False).returncode != 0
-    if _rescheduled(tree) and staged:
+    if _rescheduled(tree) and git(tree, "diff", "--cached", "--quiet",
+                                  check=False).returncode != 0:
         raise StackError(
-            f"git stopped before {_stopped_patch(tree)} (nothing of it is applied), so "
-            f"what is staged in {where} would be committed as that patch: unstage it "
-            f"(`git -C {where} restore --staged .`) and move files of your own out of "
-            f"{where}, then run `make rebase VLLM_VERSION={progress['version']}` again")
-    stop = progress.get("stop") or {}
-    if stop.get("pick") and stop["pick"] == _stopped_pick(tree) and stop["head"] != head(tree):
+            f"git stopped before {_stopped_patch(tree)} (nothing of it is applied), so what "
+            f"is staged in {where} would be committed as that patch: unstage it (`git -C "
+            f"{where} restore --staged .`), move files of your own out of {where}, "
+            + _again(progress))
+    stop, pick = progress.get("stop") or {}, _stopped_pick(tree)
+    if pick and stop.get("pick") == pick and stop["head"] != head(tree):
         made = git(tree, "log", "--format=%s", f"{stop['head']}..HEAD").stdout.splitlines()
-        picked = git(tree, "log", "-1", "--format=%s", stop["pick"]).stdout.strip()
-        if picked not in made:
+        if _subject(tree, stop["pick"]) not in made:
             raise StackError(
                 f"a commit made during the stop at {_stopped_patch(tree)} ({made[0]!r}) took "
                 f"that patch's resolution along, and git would count it as the patch: undo "
                 f"it keeping its changes (`git -C {where} reset --soft {stop['head'][:12]}`), "
-                f"run `make rebase VLLM_VERSION={progress['version']}` again, and make the "
-                f"commit after the patch is applied")
+                f"{_again(progress)}, and make the commit after the patch is applied")
 
 
 def _git_refused(layout: Layout, progress: dict, args: list[str], output: str) -> StackError:
-    """git did not move (unstaged changes, say): its own words, and the next step."""
+    """git did not move (unstaged changes, a `git am` in progress): its own words."""
+    where = rel(layout.tree, layout)
     lines = [ln for ln in apply.git_advice_removed(output).splitlines()
              if ln.startswith(("error:", "fatal:"))] or output.strip().splitlines()[-1:]
-    return StackError(f"`git {' '.join(args)}` stopped in {rel(layout.tree, layout)}: "
+    return StackError(f"`git rebase {' '.join(args)}` stopped in {where}: "
                       f"{' '.join(lines) or 'no reason given'}. Fix that there (`git -C "
-                      f"{rel(layout.tree, layout)} status` shows what is left), then run "
-                      f"`make rebase VLLM_VERSION={progress['version']}` again")
+                      f"{where} status` shows what is left), {_again(progress)}")
 
 
 def _stop(layout: Layout, progress: dict, stuck: bool = False) -> StackError:
@@ -373,126 +352,63 @@ def _stop(layout: Layout, progress: dict, stuck: bool = False) -> StackError:
     tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
     progress["stop"] = {"pick": _stopped_pick(tree), "head": head(tree)}
     _save(layout, progress)
-    name = _stopped_patch(tree)
-    rebase_dir = _rebase_dir(tree)
-    count = f"[{_position(tree)}/{(rebase_dir / 'end').read_text().strip()}] " \
-        if (rebase_dir / "end").exists() else ""
+    end = _rebase_file(tree, "end")
+    name = (f"[{_rebase_file(tree, 'msgnum')}/{end}] " if end else "") + _stopped_patch(tree)
     skip = f"`git -C {where} rebase --skip`"
     conflicted = _unmerged(tree)
+    deleted = [p for p in conflicted if _in_tree(tree, progress["old_base"], p)
+               and not _in_tree(tree, progress["release"], p)]
     if in_the_way := _in_the_way(tree):
-        what = (f"{count}{name}: untracked {', '.join(in_the_way)} in {where} stand where "
-                f"the patch writes, so git applied nothing of it. Move them out of {where} "
-                "(they are not the patch's: do not `git add` them)")
-    elif deleted := _deleted_upstream(layout, progress, conflicted):
-        what = (f"{count}" + "; ".join(f"upstream deleted {path}" for path in deleted)
-                + f" in vLLM {version}, and {name} changes it: drop the patch ({skip}) or "
-                f"re-home its change where the code went (by hand, then `git -C {where} add` "
-                f"what you changed and `git -C {where} rm` the deleted file). Resolving it as "
-                "a conflict would bring the deleted file back")
+        what = (f"{name}: untracked {', '.join(in_the_way)} in {where} stand where the patch "
+                f"writes, so git applied nothing of it. Move them out of {where} (they are "
+                "not the patch's: do not `git add` them)")
+    elif deleted:
+        what = (f"{name}: " + "; ".join(f"upstream deleted {p}" for p in deleted)
+                + f" in vLLM {version}, and {_stopped_patch(tree)} changes it: drop the patch "
+                f"({skip}) or re-home its change where the code went (by hand, then `git -C "
+                f"{where} add` what you changed and `git -C {where} rm` the deleted file). "
+                "Resolving it as a conflict would bring the deleted file back")
     elif conflicted:
-        what = (f"{count}{name} conflicts with vLLM {version} in: {', '.join(conflicted)}. "
-                f"Resolve the files in {where}, then `git -C {where} add <files>` (to drop the "
-                f"patch instead: {skip})")
+        what = (f"{name} conflicts with vLLM {version} in: {', '.join(conflicted)}. Resolve "
+                f"the files in {where}, then `git -C {where} add <files>` (to drop the patch "
+                f"instead: {skip})")
     else:
-        what = (f"{count}{name} stopped again after its resolution"
-                + (" was reused" if stuck else "")
-                + f": see `git -C {where} status`; if upstream has the patch, drop it ({skip})")
+        what = (f"{name} stopped again after its resolution{' was reused' if stuck else ''}"
+                f": see `git -C {where} status`; if upstream has the patch, drop it ({skip})")
     return StackError(
-        f"{what}; then run `make rebase VLLM_VERSION={version}` again to go on. pin.toml and "
-        f"patches/ are unchanged and the old stack is branch {progress['old_branch']}; to "
-        "give up: `make rebase-abandon` (resolutions are recorded, a new `make rebase` "
-        "reuses them)")
+        f"{what}; {_again(progress)} to go on. pin.toml and patches/ are unchanged and the "
+        f"old stack is branch {progress['old_branch']}; to give up: `make rebase-abandon` "
+        "(resolutions are recorded, a new `make rebase` reuses them)")
 
 
-def _deleted_upstream(layout: Layout, progress: dict, conflicted: list[str]) -> list[str]:
-    """The conflicted files that the old release had and the new one lacks."""
-    def in_tree(rev: str, path: str) -> bool:
-        return git(layout.tree, "cat-file", "-e", f"{rev}:{path}", check=False).returncode == 0
-
-    return sorted(path for path in conflicted if in_tree(progress["old_base"], path)
-                  and not in_tree(progress["pin"]["base_tag"], path))
+def _in_tree(tree: Path, rev: str, path: str) -> bool:
+    return git(tree, "cat-file", "-e", f"{rev}:{path}", check=False).returncode == 0
 
 
-# --- a kill inside git ---------------------------------------------------------------------
+# --- going back: after a kill inside git, or a give-up -----------------------------------
 
 
 def _recover_killed_git(layout: Layout, progress: dict) -> None:
-    """The last run was killed inside its git (the state says which): take back
-    what that git half did, so the rebase starts again from branch rebase-<v>
-    as it was; rerere replays every resolution recorded before the kill.
-
-    A git of ours ran (the state's mark, and the project lock says no command
-    runs now): its lock files are stale. The work tree of a killed `--continue`
-    may hold a resolution git had not committed: it is kept as a branch."""
+    """The last run was killed inside its git (the state's mark says which).
+    That git's lock files are stale: the project lock says no git of ours runs
+    now. A killed start is done again; a killed rebase is undone back to branch
+    rebase-<v>, and rerere replays each resolution recorded before the kill. A
+    killed `--continue` may leave a resolution git had not committed: it is
+    kept as a branch."""
     tree, where = layout.tree, rel(layout.tree, layout)
     removed = remove_stale_git_locks(tree)
-    kept = _keep_rebase_work(layout, progress) if progress["git"] == "--continue" else None
-    _undo_git_rebase(layout, progress)
-    progress["git"] = None
-    _save(layout, progress)
+    kept = None
+    if progress["git"] == "start":
+        _switch_to_branch(layout, progress)
+    else:
+        _refuse_clobbering(layout, _branch(progress), _git_wrote(tree, progress))
+        kept = _go_back(layout, progress, _branch(progress), keep=progress["git"] == "--continue")
+        progress["git"] = None
+        _save(layout, progress)
     say(f"the last `make rebase` was killed inside git; undid what it half did in {where}"
         + (f" (removed {', '.join(removed)})" if removed else "")
         + (f", its work tree kept as branch {kept}" if kept else "")
-        + ": going on from branch " + rebase_branch(progress["version"]))
-
-
-def _undo_git_rebase(layout: Layout, progress: dict) -> None:
-    """Abort git's rebase (branch rebase-<v> back where it began, checked out) and
-    remove the files git wrote that are now untracked: those whose bytes are a
-    blob of the release or of the commits git was on. Any other file is kept."""
-    tree = layout.tree
-    was_at = git(tree, "rev-parse", "HEAD").stdout.strip()
-    branch = rebase_branch(progress["version"])
-    _refuse_clobbering(layout, branch, [was_at, progress["release"]])
-    if _rebase_dir(tree).is_dir() and git(tree, "rebase", "--abort",
-                                          check=False).returncode != 0:
-        git(tree, "rebase", "--quit")  # killed before its state was complete
-    git(tree, "checkout", "-q", "-f", branch)
-    _remove_files_git_wrote(tree, [was_at, progress["release"]])
-
-
-def _untracked_blobs(tree: Path) -> dict[str, str]:
-    """Each untracked file (ignored ones too) with its blob id."""
-    untracked = git(tree, "ls-files", "--others", "-z").stdout.split("\0")[:-1]
-    if not untracked:
-        return {}
-    hashes = git(tree, "hash-object", "--no-filters", "--stdin-paths",
-                 input="".join(f"{p}\n" for p in untracked)).stdout.split()
-    return dict(zip(untracked, hashes))
-
-
-def _tree_blobs(tree: Path, rev: str) -> set[tuple[str, str]]:
-    """(blob id, path) of each file of `rev`."""
-    found = set()
-    for entry in git(tree, "ls-tree", "-r", "-z", rev).stdout.split("\0")[:-1]:
-        meta, path = entry.split("\t", 1)
-        found.add((meta.split()[2], path))
-    return found
-
-
-def _refuse_clobbering(layout: Layout, target: str, git_wrote: list[str]) -> None:
-    """Going back to `target` with a forced checkout overwrites untracked files
-    where it has files (git takes ignored ones as expendable): refuse while any
-    of them is not a file git itself wrote (a blob of `git_wrote` there)."""
-    tree, where = layout.tree, rel(layout.tree, layout)
-    at_target = {path for _, path in _tree_blobs(tree, target)}
-    ours = set().union(*(_tree_blobs(tree, rev) for rev in git_wrote))
-    yours = sorted(p for p, blob in _untracked_blobs(tree).items()
-                   if p in at_target and (blob, p) not in ours)
-    if yours:
-        raise StackError(f"going back to branch {target} in {where} would overwrite "
-                         f"untracked files of yours: {', '.join(yours[:5])}. Move them out "
-                         f"of {where}, then run the same command again")
-
-
-def _remove_files_git_wrote(tree: Path, revs: list[str]) -> None:
-    ours = set().union(*(_tree_blobs(tree, rev) for rev in revs))
-    for path, blob in _untracked_blobs(tree).items():
-        if (blob, path) in ours:
-            (tree / path).unlink()
-
-
-# --- give up --------------------------------------------------------------------
+        + f": going on from branch {_branch(progress)}")
 
 
 def abandon(layout: Layout) -> None:
@@ -504,63 +420,86 @@ def abandon(layout: Layout) -> None:
     resolutions git recorded stay, for the next `make rebase` to reuse.
     """
     tree, where = layout.tree, rel(layout.tree, layout)
-    progress = read_state(tree).get("rebase") if is_stack_repo(tree) else None
-    if not progress:
+    if (version := rebase_in_progress(tree)) is None:
         raise StackError(f"no rebase is in progress in {where}: nothing to abandon")
-    if not isinstance(progress, dict) or not isinstance(progress.get("version"), str):
-        progress = {"version": _version_from_git(tree)}
-    version = progress["version"]
+    progress = read_state(tree).get("rebase")
+    progress = {**(progress if isinstance(progress, dict) else {}), "version": version}
     if isinstance(progress.get("finishing"), dict):
         raise StackError(f"the rebase to vLLM {version} is being written into the project "
                          f"(pin.toml, patches/); complete it with `make rebase "
                          f"VLLM_VERSION={version}`")
     if progress.get("git"):
         remove_stale_git_locks(tree)  # our own git, killed
-    if isinstance(progress.get("release"), str):
-        _refuse_clobbering(layout, BRANCH, [head(tree), progress["release"]])
+    _refuse_clobbering(layout, BRANCH, _git_wrote(tree, progress))
     progress["git"] = "abandon"
     _save(layout, progress)
     if not _unmerged(tree):  # every conflict resolved and added: the next rebase reuses it
         git(tree, "rerere", check=False)
-    kept = _keep_rebase_work(layout, progress)
-    if _rebase_dir(tree).is_dir() and git(tree, "rebase", "--abort",
-                                          check=False).returncode != 0:
-        git(tree, "rebase", "--quit")
-    was_at = head(tree)
-    git(tree, "checkout", "-q", "-f", BRANCH)
-    _remove_files_git_wrote(tree, [was_at] + ([progress["release"]]
-                                              if isinstance(progress.get("release"), str)
-                                              else []))
-    if git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{rebase_branch(version)}",
-           check=False).returncode == 0:
-        git(tree, "branch", "-q", "-D", rebase_branch(version))
+    kept = _go_back(layout, progress, BRANCH, keep=True)
+    if _has_ref(tree, f"refs/heads/{_branch(progress)}"):
+        git(tree, "branch", "-q", "-D", _branch(progress))
     write_state(tree, rebase=None, status="applied")
     say(f"abandoned the rebase to vLLM {version}: {where} is back on branch {BRANCH} "
         f"(pin.toml and patches/ unchanged)"
         + (f"; what the rebase did is kept as branch {kept}" if kept else ""))
 
 
-def _version_from_git(tree: Path) -> str:
-    """The version of the rebase git holds, when the state's entry is damaged."""
-    head_name = _rebase_dir(tree) / "head-name"
-    ref = head_name.read_text().strip() if head_name.exists() else \
-        "refs/heads/" + _current_branch(tree)
-    return ref.removeprefix("refs/heads/rebase-") if ref.startswith("refs/heads/rebase-") \
-        else "unknown"
+def _git_wrote(tree: Path, progress: dict) -> list[str]:
+    """The commits whose files git may have written: HEAD's, and the release's."""
+    release = progress.get("release")
+    return [head(tree)] + ([release] if isinstance(release, str) else [])
+
+
+def _go_back(layout: Layout, progress: dict, target: str, keep: bool) -> str | None:
+    """Give git's rebase up and check `target` out by force; remove the untracked
+    files that git wrote (those holding a blob of `_git_wrote` at their path: any
+    other file is the user's, kept). With `keep`, what the rebase did is first
+    kept as a branch: its name is returned."""
+    tree, wrote = layout.tree, _git_wrote(layout.tree, progress)
+    kept = _keep_rebase_work(layout, progress) if keep else None
+    if _rebase_dir(tree).is_dir() and git(tree, "rebase", "--abort",
+                                          check=False).returncode != 0:
+        git(tree, "rebase", "--quit")  # killed before its state was complete
+    git(tree, "checkout", "-q", "-f", target)
+    for path in _untracked(tree, wrote)[0]:
+        (tree / path).unlink()
+    return kept
+
+
+def _untracked(tree: Path, revs: list[str]) -> tuple[list[str], list[str]]:
+    """The untracked files (ignored ones too): those holding a blob of one of
+    `revs` at their path, and the others."""
+    paths = git(tree, "ls-files", "--others", "-z").stdout.split("\0")[:-1]
+    blobs = git(tree, "hash-object", "--no-filters", "--stdin-paths",
+                input="".join(f"{p}\n" for p in paths)).stdout.split() if paths else []
+    entries = [e.split("\t", 1) for rev in revs
+               for e in git(tree, "ls-tree", "-r", "-z", rev).stdout.split("\0")[:-1]]
+    known = {(meta.split()[2], path) for meta, path in entries}  # (blob, path)
+    ours = [p for p, blob in zip(paths, blobs) if (blob, p) in known]
+    return ours, [p for p in paths if p not in ours]
+
+
+def _refuse_clobbering(layout: Layout, target: str, git_wrote: list[str]) -> None:
+    """A forced checkout of `target` overwrites the untracked files where it has
+    files: refuse while one of them is the user's (not one git wrote)."""
+    tree, where = layout.tree, rel(layout.tree, layout)
+    at_target = set(git(tree, "ls-tree", "-r", "-z", "--name-only", target).stdout.split("\0"))
+    if yours := sorted(set(_untracked(tree, git_wrote)[1]) & at_target):
+        raise StackError(f"going back to branch {target} in {where} would overwrite "
+                         f"untracked files of yours: {', '.join(yours[:5])}. Move them out "
+                         f"of {where}, then run the same command again")
 
 
 def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
     """Point a new branch at the rebase's commits, plus a commit of the work tree
     when it holds changes (a resolution begun); return its name."""
-    tree, version = layout.tree, progress["version"]
-    tip = head(tree)
+    tree, tip = layout.tree, head(layout.tree)
     fd, index = tempfile.mkstemp(prefix="k3-abandon-index-")
     os.close(fd)
-    try:
+    try:  # the work tree as a tree, through a copy of the index
         shutil.copyfile(tree / ".git" / "index", index)
-        env = {"GIT_INDEX_FILE": index}
-        git(tree, "add", "-A", ".", env=env)
-        work = git(tree, "write-tree", env=env).stdout.strip()
+        git(tree, "add", "-A", ".", env={"GIT_INDEX_FILE": index})
+        work = git(tree, "write-tree", env={"GIT_INDEX_FILE": index}).stdout.strip()
     finally:
         os.unlink(index)
     if work != git(tree, "rev-parse", f"{tip}^{{tree}}").stdout.strip():
@@ -570,14 +509,12 @@ def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
         tip = git(tree, "commit-tree", work, "-p", tip, "-F", "-", env=identity,
                   input=f"Unfinished resolution of {_stopped_patch(tree)} (rebase "
                   "abandoned)\n").stdout.strip()
-    if not progress.get("release") or _is_ancestor(tree, tip, BRANCH) or \
-            tip == progress["release"]:
+    if tip in (progress.get("release"), None) or _is_ancestor(tree, tip, BRANCH):
         return None  # nothing was done on the new release
-    name, n = f"abandoned-rebase-{version}", 1
-    while git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{name}",
-              check=False).returncode == 0:
+    name, n = f"abandoned-rebase-{progress['version']}", 1
+    while _has_ref(tree, f"refs/heads/{name}"):
         n += 1
-        name = f"abandoned-rebase-{version}-{n}"
+        name = f"abandoned-rebase-{progress['version']}-{n}"
     git(tree, "branch", name, tip)
     return name
 
@@ -605,26 +542,23 @@ def _staging(layout: Layout) -> Path:
 
 
 def _finish(layout: Layout, progress: dict) -> None:
-    tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
+    tree, where = layout.tree, rel(layout.tree, layout)
     if dirty := dirty_files(tree):
         raise StackError(f"{where} has uncommitted changes ({', '.join(dirty[:5])}): commit "
                          f"them (`git -C {where} commit --fixup=<patch's commit>` folds them "
-                         f"into it) or stash them, then run `make rebase VLLM_VERSION="
-                         f"{version}` again")
-    if git(tree, "rev-list", "--merges", f"{progress['pin']['base_tag']}..HEAD").stdout.strip():
-        raise StackError(f"{where} has merge commits on {rebase_branch(version)}; the stack "
+                         f"into it) or stash them, {_again(progress)}")
+    if git(tree, "rev-list", "--merges", f"{progress['release']}..HEAD").stdout.strip():
+        raise StackError(f"{where} has merge commits on {_branch(progress)}; the stack "
                          "must be linear")
-    rendered = apply.rendered_stack(layout, progress["pin"]["base_tag"])
-    if edited := sorted(set(_project_digests(layout).items()) ^ set(progress["project"].items())):
+    if edited := set(_project_digests(layout).items()) ^ set(progress["project"].items()):
         raise StackError(
             "changed since `make rebase` began: " + ", ".join(sorted({p for p, _ in edited}))
-            + f". The finish replaces them: put them back (`git checkout -- <file>` in the "
-            f"project), or give the rebase up with `make rebase-abandon`; then run "
-            f"`make rebase VLLM_VERSION={version}` again")
-    staging = _staging(layout)
-    if staging.exists():
-        discard(staging)  # from a finish killed before its journal
-    _stage(layout, progress, rendered, staging / "new")
+            + ". The finish replaces them: put them back (`git checkout -- <file>` in the "
+            f"project), or give the rebase up with `make rebase-abandon`; {_again(progress)}")
+    rendered = apply.rendered_stack(layout, progress["release"])
+    if _staging(layout).exists():
+        discard(_staging(layout))  # from a finish killed before its journal
+    _stage(layout, progress, rendered, _staging(layout) / "new")
     progress["finishing"] = {"head": head(tree), "patches": list(rendered)}
     _save(layout, progress)  # the journal: from here the next run completes it
     _complete_finish(layout, progress)
@@ -632,25 +566,23 @@ def _finish(layout: Layout, progress: dict) -> None:
 
 def _stage(layout: Layout, progress: dict, rendered: dict[str, bytes], new: Path) -> None:
     """The new pin.toml, patches/ and vllm_overlay/, complete, under `new`."""
-    pin = _pin_from_dict(progress["pin"])
+    pin = _pin(progress)
     new.mkdir(parents=True)
-    (new / "pin.toml").write_bytes(render_pin(pin).encode())
+    (new / "pin.toml").write_text(render_pin(pin))
     patches = new / "patches"
     shutil.copytree(layout.patches_dir, patches, symlinks=True)  # its other files stay
     old_names = set(series_names(layout))
     for name, content in rendered.items():
         (patches / name).write_bytes(content)
     (patches / "series").write_bytes(series_text(list(rendered)))
-    dropped = old_names - rendered.keys()
-    for name in dropped:
+    for name in sorted(dropped := old_names - rendered.keys()):
         (patches / name).unlink(missing_ok=True)
+        say(f"  dropped {name}: git's rebase left nothing of it (upstream has it, or it "
+            "was skipped)")
     for note in apply.notes_to_remove(layout, dropped, added=rendered.keys() - old_names):
         (patches / note).unlink()
         say(f"removed patches/{note}: its patch left the series (the project's git has it)")
-    for name in sorted(dropped):
-        say(f"  dropped {name}: git's rebase left nothing of it (upstream has it, or it "
-            "was skipped)")
-    files = overlay.render(layout.tree, pin, pin.base_tag, "HEAD", list(rendered))
+    files = overlay.render(layout.tree, pin, progress["release"], "HEAD", list(rendered))
     for path, content in files.items():
         (new / "vllm_overlay" / path).parent.mkdir(parents=True, exist_ok=True)
         (new / "vllm_overlay" / path).write_bytes(content)
@@ -659,8 +591,7 @@ def _stage(layout: Layout, progress: dict, rendered: dict[str, bytes], new: Path
 def _complete_finish(layout: Layout, progress: dict) -> None:
     """Move the staged files into place, then make the rebased branch `stack`.
     Each step can be done again: a killed finish is completed by the next run."""
-    tree, journal = layout.tree, progress["finishing"]
-    staging = _staging(layout)
+    tree, journal, staging = layout.tree, progress["finishing"], _staging(layout)
     for name in _PROJECT_FILES:
         new, current, old = staging / "new" / name, layout.root / name, staging / "old" / name
         if not os.path.lexists(new):
@@ -670,12 +601,11 @@ def _complete_finish(layout: Layout, progress: dict) -> None:
             os.replace(current, old)
         os.replace(new, current)
     git(tree, "checkout", "-q", "-B", BRANCH, journal["head"])
-    if git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{rebase_branch(progress['version'])}",
-           check=False).returncode == 0:
-        git(tree, "branch", "-q", "-D", rebase_branch(progress["version"]))
+    if _has_ref(tree, f"refs/heads/{_branch(progress)}"):
+        git(tree, "branch", "-q", "-D", _branch(progress))
     if staging.exists():
         discard(staging)  # the old pin.toml, patches/ and vllm_overlay/
-    pin = _pin_from_dict(progress["pin"])
+    pin = _pin(progress)
     write_state(tree, base_tag=pin.base_tag, base_sdist_sha256=pin.sdist.sha256,
                 base_commit=progress["release"], rebase=None, status="applied",
                 applied_head=journal["head"], applied_digest=series_digest(read_series(layout)),
@@ -692,24 +622,10 @@ def _complete_finish(layout: Layout, progress: dict) -> None:
 def _touched_upstream_changes(layout: Layout, progress: dict) -> list[str]:
     """The patches whose files upstream changed between the two releases: their
     rebase was a real merge, worth a review."""
-    tree, new_base = layout.tree, progress["pin"]["base_tag"]
+    tree = layout.tree
     changed = set(git(tree, "diff", "--name-only", "-z", progress["old_base"],
-                      new_base).stdout.split("\0"))
-    review = []
-    for commit in git(tree, "rev-list", "--reverse", f"{new_base}..HEAD").stdout.split():
-        touched = git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
-                      commit).stdout.split("\0")[:-1]
-        if changed.intersection(touched):
-            subject = git(tree, "log", "-1", "--format=%s", commit).stdout.strip()
-            review.append(apply.patch_name(subject))
-    return review
-
-
-def _pin_dict(pin: Pin) -> dict:
-    return {"version": pin.version, "commit": pin.commit, "base_tag": pin.base_tag,
-            "sdist": pin.sdist.__dict__, "wheel": pin.wheel.__dict__}
-
-
-def _pin_from_dict(d: dict) -> Pin:
-    return Pin(d["version"], d["commit"], d["base_tag"], Artifact(**d["sdist"]),
-               Artifact(**d["wheel"]))
+                      progress["release"]).stdout.split("\0")[:-1])
+    return [apply.patch_name(_subject(tree, commit))
+            for commit in commits_since(tree, progress["release"])
+            if changed.intersection(git(tree, "diff-tree", "--no-commit-id", "--name-only",
+                                        "-r", "-z", commit).stdout.split("\0"))]
