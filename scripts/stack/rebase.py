@@ -1,16 +1,14 @@
 """`make rebase VLLM_VERSION=x.y.z`: move the stack onto another vLLM release.
 
-A thin layer over `git rebase --onto`. The new release is committed in
+A thin layer over `git rebase --onto`: the new release is committed in
 build/vllm as a child of the old one (tag `vllm-<new>`), and branch
 `rebase-<new>`, started at `stack`, is rebased onto it. Git keeps the rebase's
-state and reports where it stopped; `rerere` records each resolution, so a
-restart reuses it. The state file's `rebase` entry holds only what git cannot:
-the new pin, the release commit, digests of the project's files, and which
-git of ours is running (a kill inside it is undone by the next run).
-
-pin.toml, patches/ and vllm_overlay/ change only once git's rebase is done:
-staged in full, then moved into place under a journal that the next run
-completes after a kill. The old stack stays as branch `stack-<old version>`.
+state; `rerere` records each resolution, so a restart reuses it. The state
+file's `rebase` entry holds what git cannot: the new pin, the release commit,
+digests of the project's files, and which git of ours runs (a kill inside it
+is undone by the next run). pin.toml, patches/ and vllm_overlay/ change only
+when git's rebase is done: staged in full, then moved into place under a
+journal that the next run completes after a kill.
 """
 
 from __future__ import annotations
@@ -47,10 +45,11 @@ from scripts.stack.series import read_series, series_digest, series_names, serie
 _MAX_GROWTH = 4
 # What the finish writes, relative to the project root, all or nothing.
 _PROJECT_FILES = ("pin.toml", "patches", "vllm_overlay")
-# git's rebase runs without an editor. Its notes on a conflict are commented
-# out with core.commentChar: "#" would strip a patch message's "## Purpose" too.
+# git's rebase runs without an editor; it comments out its notes on a conflict
+# with core.commentChar, and "#" would strip a patch message's "## Purpose" too.
 _GIT_REBASE_ENV = {"GIT_EDITOR": ":", "GIT_SEQUENCE_EDITOR": ":"}
-_COMMENT_CHAR = ["-c", "core.commentChar=auto"]
+_REBASE = ["-c", "core.commentChar=auto", "rebase"]
+_REBASE_DIR = ".git/rebase-merge"  # git's rebase state, while a rebase is in progress
 
 
 def rebase(layout: Layout, version: str) -> None:
@@ -59,13 +58,13 @@ def rebase(layout: Layout, version: str) -> None:
     if not is_stack_repo(layout.tree):
         raise StackError(f"{rel(layout.tree, layout)} does not exist; run `make apply` first")
     progress = _progress(layout)
-    if progress and progress.get("git") == "abandon":
-        raise StackError("the last `make rebase-abandon` was killed; run `make "
-                         "rebase-abandon` again to finish giving the rebase up")
-    if progress and progress["version"] != version:
+    if progress and (progress["version"] != version or progress.get("git") == "abandon"):
         raise StackError(f"a rebase to vLLM {progress['version']} is in progress in "
-                         f"{rel(layout.tree, layout)}; finish it with `make rebase VLLM_VERSION="
-                         f"{progress['version']}` or give it up with `make rebase-abandon`")
+                         f"{rel(layout.tree, layout)}"
+                         + (", and the last `make rebase-abandon` was killed: run it again"
+                            if progress.get("git") == "abandon" else
+                            f"; finish it with `make rebase VLLM_VERSION={progress['version']}`"
+                            " or give it up with `make rebase-abandon`"))
     if progress is None:
         progress = _start(layout, version)
     elif progress.get("finishing"):
@@ -76,9 +75,6 @@ def rebase(layout: Layout, version: str) -> None:
     _check_branch(layout, progress)
     _drive(layout, progress)
     _finish(layout, progress)
-
-
-# --- what the tool remembers, and where git is ---------------------------------------
 
 
 def _progress(layout: Layout) -> dict | None:
@@ -94,7 +90,8 @@ def _progress(layout: Layout) -> dict | None:
                      "state is kept as a branch), then start it again")
 
 
-def _save(layout: Layout, progress: dict) -> None:
+def _save(layout: Layout, progress: dict, **changes) -> None:
+    progress.update(changes)
     write_state(layout.tree, rebase=progress)
 
 
@@ -106,19 +103,9 @@ def _again(progress: dict) -> str:
     return f"then run `make rebase VLLM_VERSION={progress['version']}` again"
 
 
-def _pin(progress: dict) -> Pin:
-    d = progress["pin"]
-    return Pin(d["version"], d["commit"], d["base_tag"], Artifact(**d["sdist"]),
-               Artifact(**d["wheel"]))
-
-
-def _rebase_dir(tree: Path) -> Path:
-    return tree / ".git" / "rebase-merge"
-
-
 def _rebase_file(tree: Path, name: str) -> str:
     """A file of git's rebase state ("msgnum": the todo lines done), or ""."""
-    path = _rebase_dir(tree) / name
+    path = tree / _REBASE_DIR / name
     return path.read_text().strip() if path.exists() else ""
 
 
@@ -131,18 +118,17 @@ def _subject(tree: Path, rev: str) -> str:
 
 
 def _check_branch(layout: Layout, progress: dict) -> None:
-    """Go on only on branch rebase-<v>, or in git's rebase of it. (A tag moved
-    meanwhile does no harm: git is given the release's commit.)"""
+    """Go on only on branch rebase-<v>, or in git's rebase of it. (A moved tag
+    does no harm: git is given the release's commit.)"""
     tree, where, branch = layout.tree, rel(layout.tree, layout), _branch(progress)
     rebasing = _rebase_file(tree, "head-name").removeprefix("refs/heads/")
     on = rebasing or git(tree, "symbolic-ref", "-q", "--short", "HEAD",
-                         check=False).stdout.strip()
+                         check=False).stdout.strip() or "a detached HEAD"
     if on != branch:
         fix = "rebase --abort" if rebasing else f"checkout {branch}"
-        raise StackError(f"{where} is {'rebasing' if rebasing else 'on'} "
-                         f"{on or 'a detached HEAD'}, not on branch {branch} where the rebase "
-                         f"to vLLM {progress['version']} is: `git -C {where} {fix}`, "
-                         f"{_again(progress)} (or give the rebase up: `make rebase-abandon`)")
+        raise StackError(f"{where} is {'rebasing' if rebasing else 'on'} {on}, not on branch "
+                         f"{branch} where the rebase to vLLM {progress['version']} is: `git -C "
+                         f"{where} {fix}`, {_again(progress)} (or `make rebase-abandon`)")
 
 
 # --- start ------------------------------------------------------------------------
@@ -164,8 +150,8 @@ def _start(layout: Layout, version: str) -> dict:
     new = dataclasses.replace(new, commit=release_commit_id(tree, release) or "unknown")
     progress = {"version": version, "pin": dataclasses.asdict(new), "old_base": old_base,
                 "old_branch": f"{BRANCH}-{old.version}", "release": release,
-                "project": _project_digests(layout), "git": "start"}
-    _save(layout, progress)  # from here a kill is undone by the next run
+                "project": _project_digests(layout)}
+    _save(layout, progress, git="start")  # from here a kill is undone by the next run
     _switch_to_branch(layout, progress)
     say(f"rebasing {len(read_series(layout))} patch(es) from vLLM {old.version} onto "
         f"{version} with `git rebase` (old stack kept as branch {progress['old_branch']})")
@@ -173,33 +159,29 @@ def _start(layout: Layout, version: str) -> dict:
 
 
 def _switch_to_branch(layout: Layout, progress: dict) -> None:
-    """Keep the old stack as a branch and check rebase-<v> out at it; done
-    again whole if a kill cut it short (nothing was rebased yet)."""
-    tree = layout.tree
-    git(tree, "branch", "-f", progress["old_branch"], BRANCH)
-    git(tree, "checkout", "-q", "-B", _branch(progress), BRANCH)
+    """Keep the old stack as a branch and check rebase-<v> out at it (again,
+    whole, if a kill cut it short: nothing was rebased yet)."""
+    git(layout.tree, "branch", "-f", progress["old_branch"], BRANCH)
+    git(layout.tree, "checkout", "-q", "-B", _branch(progress), BRANCH)
     # Recorded resolutions are reused when the same conflict comes back.
-    git(tree, "config", "rerere.enabled", "true")
-    git(tree, "config", "rerere.autoUpdate", "true")
-    progress["git"] = None
-    _save(layout, progress)
+    git(layout.tree, "config", "rerere.enabled", "true")
+    git(layout.tree, "config", "rerere.autoUpdate", "true")
+    _save(layout, progress, git=None)
 
 
 def _refuse_resetting_work(layout: Layout, version: str) -> None:
     """A branch left by an earlier rebase (given up by hand) may hold resolved
     patches that no other branch has: starting again would reset it."""
     tree, where, branch = layout.tree, rel(layout.tree, layout), f"rebase-{version}"
-    if not _has_ref(tree, f"refs/heads/{branch}"):
-        return
     # (--exclude takes a branch's name without refs/heads/, before --branches)
-    if commits := git(tree, "rev-list", f"refs/heads/{branch}", "--not",
-                      f"--exclude={branch}", "--branches", "--tags").stdout.split():
+    if _has_ref(tree, f"refs/heads/{branch}") and (commits := git(
+            tree, "rev-list", f"refs/heads/{branch}", "--not", f"--exclude={branch}",
+            "--branches", "--tags").stdout.split()):
         raise StackError(
             f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
-            f"to vLLM {version} that no other branch has; a new rebase would reset it. Keep "
-            f"them under another name (`git -C {where} branch -m {branch} <name>`) or delete "
-            f"the branch (`git -C {where} branch -D {branch}`), then run `make rebase "
-            f"VLLM_VERSION={version}` again.")
+            f"that no other branch has, and a new rebase would reset it: rename it (`git -C "
+            f"{where} branch -m {branch} <name>`) or delete it (`git -C {where} branch -D "
+            f"{branch}`), then run `make rebase VLLM_VERSION={version}` again")
 
 
 def pin_for(old: Pin, version: str) -> Pin:
@@ -210,15 +192,12 @@ def pin_for(old: Pin, version: str) -> Pin:
             found = find_in_index(old.project, filename)
         except IndexUnreachable as e:
             raise index_needed(f"look up vLLM {version}'s files and their sha256", e)
-        if not (found.sha256 and found.size):
-            raise StackError(f"the index gives no size/sha256 for {filename}; "
-                             "write the new pin.toml by hand and run `make apply`")
-        if found.size > _MAX_GROWTH * old_art.size:
+        if not (found.sha256 and found.size) or found.size > _MAX_GROWTH * old_art.size:
             raise StackError(
-                f"the index lists {filename} at {found.size / 1e6:.1f} MB, more than "
-                f"{_MAX_GROWTH} times larger than the pinned {old_art.filename} "
-                f"({old_art.size / 1e6:.1f} MB); refusing to download it. If that size is "
-                "right, write the new pin.toml by hand and run `make apply`.")
+                f"the index lists {filename} with no size/sha256, or more than {_MAX_GROWTH} "
+                f"times larger ({(found.size or 0) / 1e6:.1f} MB) than the pinned "
+                f"{old_art.filename}: refusing to download it. If that is right, write the "
+                "new pin.toml by hand and run `make apply`")
         return Artifact(filename, found.size, found.sha256)
 
     return Pin(version, "unknown", f"vllm-{version}", artifact(old.sdist), artifact(old.wheel))
@@ -235,14 +214,15 @@ def _drive(layout: Layout, progress: dict) -> None:
     gone_on_from: set[str] = set()
     while True:
         before = None
-        if _rebase_dir(tree).is_dir():
+        if (tree / _REBASE_DIR).is_dir():
             _refuse_unfinished_stop(layout, progress)
             if (before := _rebase_file(tree, "msgnum")) in gone_on_from:
                 raise _stop(layout, progress, stuck=True)  # went on from here, stopped again
             gone_on_from.add(before)
             git(tree, "rerere", check=False)  # a kill inside git keeps the resolution
             args = ["--continue"]
-        elif not _is_ancestor(tree, release, "HEAD"):
+        elif git(tree, "merge-base", "--is-ancestor", release, "HEAD",
+                 check=False).returncode != 0:
             args = ["--committer-date-is-author-date", "--onto", release, progress["old_base"]]
         elif fixups := [s for s in (_subject(tree, c) for c in commits_since(tree, release))
                         if s.startswith(("fixup! ", "squash! ", "amend! "))]:
@@ -251,31 +231,24 @@ def _drive(layout: Layout, progress: dict) -> None:
             args = ["-i", "--autosquash", "--committer-date-is-author-date", release]
         else:
             return
-        result = _run_git(layout, progress, args)
+        # Marked in the state file while git runs: the next run undoes a kill inside it.
+        _save(layout, progress, git=args[0])
+        result = git(tree, *_REBASE, *args, env=_GIT_REBASE_ENV, check=False)
+        _save(layout, progress, git=None)
         if result.returncode == 0:
             continue
-        if _rebase_dir(tree).is_dir() and (_unmerged(tree) or _in_the_way(tree)):
+        if (tree / _REBASE_DIR).is_dir() and (_unmerged(tree) or _in_the_way(tree)):
             raise _stop(layout, progress)
-        if not _rebase_dir(tree).is_dir() or _rebase_file(tree, "msgnum") == before:
-            raise _git_refused(layout, progress, args, result.stdout + result.stderr)
+        if not (tree / _REBASE_DIR).is_dir() or _rebase_file(tree, "msgnum") == before:
+            # git did not move (unstaged changes, a `git am` in progress): its own words.
+            output = apply.git_advice_removed(result.stdout + result.stderr)
+            lines = [ln for ln in output.splitlines() if ln.startswith(("error:", "fatal:"))]
+            raise StackError(f"`git rebase {' '.join(args)}` stopped in {rel(tree, layout)}: "
+                             f"{' '.join(lines or output.strip().splitlines()[-1:])}. Fix "
+                             f"that there (`git -C {rel(tree, layout)} status`), "
+                             + _again(progress))
         # git stopped at a new pick with nothing left unmerged: rerere resolved it all.
         say(f"  {_stopped_patch(tree)}: reused the recorded resolution of the same conflict")
-
-
-def _run_git(layout: Layout, progress: dict, args: list[str]):
-    """Run git's rebase, marked in the state file while it runs: after a kill
-    inside it, the next run undoes what it left (_recover_killed_git)."""
-    progress["git"] = args[0]
-    _save(layout, progress)
-    result = git(layout.tree, *_COMMENT_CHAR, "rebase", *args, env=_GIT_REBASE_ENV,
-                 check=False)
-    progress["git"] = None
-    _save(layout, progress)
-    return result
-
-
-def _is_ancestor(tree: Path, ancestor: str, rev: str) -> bool:
-    return git(tree, "merge-base", "--is-ancestor", ancestor, rev, check=False).returncode == 0
 
 
 def _unmerged(tree: Path) -> list[str]:
@@ -294,22 +267,19 @@ def _stopped_patch(tree: Path) -> str:
 def _rescheduled(tree: Path) -> bool:
     """git stopped before its pick merged anything (an untracked file in the way):
     the pick is both the last line done and the first still to do."""
-    def lines(name: str) -> list[list[str]]:
-        return [ln.split()[:2] for ln in _rebase_file(tree, name).splitlines()
-                if not ln.startswith("#")]
-    done, todo = lines("done"), lines("git-rebase-todo")
+    done, todo = ([ln.split()[:2] for ln in _rebase_file(tree, name).splitlines()
+                   if not ln.startswith("#")] for name in ("done", "git-rebase-todo"))
     return bool(done and todo and done[-1] == todo[0])
 
 
 def _in_the_way(tree: Path) -> list[str]:
-    """The untracked files that stop the rescheduled pick (its paths that exist)."""
+    """The untracked files where the rescheduled pick writes."""
     if not _rescheduled(tree) or not (pick := _stopped_pick(tree)):
         return []
     paths = git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
                 pick).stdout.split("\0")[:-1]
-    return [p for p in paths if os.path.lexists(tree / p)
-            and git(tree, "ls-files", "--error-unmatch", "--", p, check=False,
-                    env={"GIT_LITERAL_PATHSPECS": "1"}).returncode != 0]
+    return [] if not paths else git(tree, "ls-files", "--others", "-z", "--", *paths,
+               env={"GIT_LITERAL_PATHSPECS": "1"}).stdout.split("\0")[:-1]
 
 
 def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
@@ -321,14 +291,13 @@ def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
     if _rescheduled(tree) and git(tree, "diff", "--cached", "--quiet",
                                   check=False).returncode != 0:
         raise StackError(
-            f"git stopped before {_stopped_patch(tree)} (nothing of it is applied), so what "
-            f"is staged in {where} would be committed as that patch: unstage it (`git -C "
-            f"{where} restore --staged .`), move files of your own out of {where}, "
-            + _again(progress))
+            f"git applied nothing of {_stopped_patch(tree)}, so what is staged in {where} "
+            f"would be committed as that patch: unstage it (`git -C {where} restore --staged "
+            f".`), move files of yours out of {where}, {_again(progress)}")
     stop, pick = progress.get("stop") or {}, _stopped_pick(tree)
     if pick and stop.get("pick") == pick and stop["head"] != head(tree):
         made = git(tree, "log", "--format=%s", f"{stop['head']}..HEAD").stdout.splitlines()
-        if _subject(tree, stop["pick"]) not in made:
+        if _subject(tree, pick) not in made:
             raise StackError(
                 f"a commit made during the stop at {_stopped_patch(tree)} ({made[0]!r}) took "
                 f"that patch's resolution along, and git would count it as the patch: undo "
@@ -336,42 +305,29 @@ def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
                 f"{_again(progress)}, and make the commit after the patch is applied")
 
 
-def _git_refused(layout: Layout, progress: dict, args: list[str], output: str) -> StackError:
-    """git did not move (unstaged changes, a `git am` in progress): its own words."""
-    where = rel(layout.tree, layout)
-    lines = [ln for ln in apply.git_advice_removed(output).splitlines()
-             if ln.startswith(("error:", "fatal:"))] or output.strip().splitlines()[-1:]
-    return StackError(f"`git rebase {' '.join(args)}` stopped in {where}: "
-                      f"{' '.join(lines) or 'no reason given'}. Fix that there (`git -C "
-                      f"{where} status` shows what is left), {_again(progress)}")
-
-
 def _stop(layout: Layout, progress: dict, stuck: bool = False) -> StackError:
     """Record where git stopped (its pick, and HEAD: a commit made during the stop
     is told from it) and say what to do next."""
     tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
-    progress["stop"] = {"pick": _stopped_pick(tree), "head": head(tree)}
-    _save(layout, progress)
-    end = _rebase_file(tree, "end")
-    name = (f"[{_rebase_file(tree, 'msgnum')}/{end}] " if end else "") + _stopped_patch(tree)
+    _save(layout, progress, stop={"pick": _stopped_pick(tree), "head": head(tree)})
+    end, patch = _rebase_file(tree, "end"), _stopped_patch(tree)
+    name = (f"[{_rebase_file(tree, 'msgnum')}/{end}] " if end else "") + patch
     skip = f"`git -C {where} rebase --skip`"
     conflicted = _unmerged(tree)
-    deleted = [p for p in conflicted if _in_tree(tree, progress["old_base"], p)
-               and not _in_tree(tree, progress["release"], p)]
+    deleted = [p for p in conflicted if git(tree, "cat-file", "-e", f"{progress['release']}:{p}",
+                                            check=False).returncode != 0]
     if in_the_way := _in_the_way(tree):
         what = (f"{name}: untracked {', '.join(in_the_way)} in {where} stand where the patch "
                 f"writes, so git applied nothing of it. Move them out of {where} (they are "
                 "not the patch's: do not `git add` them)")
     elif deleted:
         what = (f"{name}: " + "; ".join(f"upstream deleted {p}" for p in deleted)
-                + f" in vLLM {version}, and {_stopped_patch(tree)} changes it: drop the patch "
-                f"({skip}) or re-home its change where the code went (by hand, then `git -C "
-                f"{where} add` what you changed and `git -C {where} rm` the deleted file). "
-                "Resolving it as a conflict would bring the deleted file back")
+                + f" in vLLM {version}, and {patch} changes it: drop the patch ({skip}), or "
+                f"re-home its change where the code went and `git -C {where} rm` the file "
+                "(resolving it as a conflict would bring the deleted file back)")
     elif conflicted:
         what = (f"{name} conflicts with vLLM {version} in: {', '.join(conflicted)}. Resolve "
-                f"the files in {where}, then `git -C {where} add <files>` (to drop the patch "
-                f"instead: {skip})")
+                f"them in {where}, then `git -C {where} add <files>` (or drop the patch: {skip})")
     else:
         what = (f"{name} stopped again after its resolution{' was reused' if stuck else ''}"
                 f": see `git -C {where} status`; if upstream has the patch, drop it ({skip})")
@@ -381,34 +337,26 @@ def _stop(layout: Layout, progress: dict, stuck: bool = False) -> StackError:
         "(resolutions are recorded, a new `make rebase` reuses them)")
 
 
-def _in_tree(tree: Path, rev: str, path: str) -> bool:
-    return git(tree, "cat-file", "-e", f"{rev}:{path}", check=False).returncode == 0
-
-
 # --- going back: after a kill inside git, or a give-up -----------------------------------
 
 
 def _recover_killed_git(layout: Layout, progress: dict) -> None:
-    """The last run was killed inside its git (the state's mark says which).
-    That git's lock files are stale: the project lock says no git of ours runs
-    now. A killed start is done again; a killed rebase is undone back to branch
-    rebase-<v>, and rerere replays each resolution recorded before the kill. A
-    killed `--continue` may leave a resolution git had not committed: it is
-    kept as a branch."""
-    tree, where = layout.tree, rel(layout.tree, layout)
-    removed = remove_stale_git_locks(tree)
-    kept = None
+    """The last run was killed inside its git (the state's mark says which):
+    that git's lock files are stale, as the project lock says no git of ours
+    runs now. A killed start is done again; a killed rebase is undone back to
+    branch rebase-<v> (a resolution a killed `--continue` had not committed is
+    kept as a branch), and rerere replays what was recorded before the kill."""
+    tree, where, branch = layout.tree, rel(layout.tree, layout), _branch(progress)
+    removed, kept = remove_stale_git_locks(tree), None
     if progress["git"] == "start":
         _switch_to_branch(layout, progress)
     else:
-        _refuse_clobbering(layout, _branch(progress), _git_wrote(tree, progress))
-        kept = _go_back(layout, progress, _branch(progress), keep=progress["git"] == "--continue")
-        progress["git"] = None
-        _save(layout, progress)
+        kept = _go_back(layout, progress, branch, keep=progress["git"] == "--continue")
+        _save(layout, progress, git=None)
     say(f"the last `make rebase` was killed inside git; undid what it half did in {where}"
         + (f" (removed {', '.join(removed)})" if removed else "")
         + (f", its work tree kept as branch {kept}" if kept else "")
-        + f": going on from branch {_branch(progress)}")
+        + f": going on from branch {branch}")
 
 
 def abandon(layout: Layout) -> None:
@@ -425,17 +373,13 @@ def abandon(layout: Layout) -> None:
     progress = read_state(tree).get("rebase")
     progress = {**(progress if isinstance(progress, dict) else {}), "version": version}
     if isinstance(progress.get("finishing"), dict):
-        raise StackError(f"the rebase to vLLM {version} is being written into the project "
-                         f"(pin.toml, patches/); complete it with `make rebase "
-                         f"VLLM_VERSION={version}`")
+        raise StackError(f"the rebase to vLLM {version} is being written into the project: "
+                         f"complete it with `make rebase VLLM_VERSION={version}`")
     if progress.get("git"):
         remove_stale_git_locks(tree)  # our own git, killed
-    _refuse_clobbering(layout, BRANCH, _git_wrote(tree, progress))
-    progress["git"] = "abandon"
-    _save(layout, progress)
     if not _unmerged(tree):  # every conflict resolved and added: the next rebase reuses it
         git(tree, "rerere", check=False)
-    kept = _go_back(layout, progress, BRANCH, keep=True)
+    kept = _go_back(layout, progress, BRANCH, keep=True, mark="abandon")
     if _has_ref(tree, f"refs/heads/{_branch(progress)}"):
         git(tree, "branch", "-q", "-D", _branch(progress))
     write_state(tree, rebase=None, status="applied")
@@ -444,31 +388,36 @@ def abandon(layout: Layout) -> None:
         + (f"; what the rebase did is kept as branch {kept}" if kept else ""))
 
 
-def _git_wrote(tree: Path, progress: dict) -> list[str]:
-    """The commits whose files git may have written: HEAD's, and the release's."""
+def _go_back(layout: Layout, progress: dict, target: str, keep: bool,
+             mark: str | None = None) -> str | None:
+    """Give git's rebase up and check `target` out by force. The untracked files
+    left are removed where they hold what git wrote (a blob of HEAD or of the
+    release at their path); a forced checkout would overwrite any other file
+    where `target` has one, so that is refused first. With `keep`, what the
+    rebase did is kept as a branch: its name is returned."""
+    tree, where = layout.tree, rel(layout.tree, layout)
     release = progress.get("release")
-    return [head(tree)] + ([release] if isinstance(release, str) else [])
-
-
-def _go_back(layout: Layout, progress: dict, target: str, keep: bool) -> str | None:
-    """Give git's rebase up and check `target` out by force; remove the untracked
-    files that git wrote (those holding a blob of `_git_wrote` at their path: any
-    other file is the user's, kept). With `keep`, what the rebase did is first
-    kept as a branch: its name is returned."""
-    tree, wrote = layout.tree, _git_wrote(layout.tree, progress)
+    ours, yours = _untracked(tree, [head(tree)] + ([release] if isinstance(release, str) else []))
+    at_target = git(tree, "ls-tree", "-r", "-z", "--name-only", target).stdout.split("\0")
+    if clobbered := sorted(set(yours) & set(at_target)):
+        raise StackError(f"going back to branch {target} in {where} would overwrite "
+                         f"untracked files of yours: {', '.join(clobbered[:5])}. Move them "
+                         f"out of {where}, then run the same command again")
+    if mark:
+        _save(layout, progress, git=mark)  # a kill from here: the same command finishes it
     kept = _keep_rebase_work(layout, progress) if keep else None
-    if _rebase_dir(tree).is_dir() and git(tree, "rebase", "--abort",
-                                          check=False).returncode != 0:
+    if (tree / _REBASE_DIR).is_dir() and git(tree, "rebase", "--abort",
+                                             check=False).returncode != 0:
         git(tree, "rebase", "--quit")  # killed before its state was complete
     git(tree, "checkout", "-q", "-f", target)
-    for path in _untracked(tree, wrote)[0]:
+    for path in set(ours) & set(git(tree, "ls-files", "--others", "-z").stdout.split("\0")):
         (tree / path).unlink()
     return kept
 
 
 def _untracked(tree: Path, revs: list[str]) -> tuple[list[str], list[str]]:
-    """The untracked files (ignored ones too): those holding a blob of one of
-    `revs` at their path, and the others."""
+    """The untracked files (ignored ones too), split: those holding a blob of
+    one of `revs` at their path, and the others."""
     paths = git(tree, "ls-files", "--others", "-z").stdout.split("\0")[:-1]
     blobs = git(tree, "hash-object", "--no-filters", "--stdin-paths",
                 input="".join(f"{p}\n" for p in paths)).stdout.split() if paths else []
@@ -477,17 +426,6 @@ def _untracked(tree: Path, revs: list[str]) -> tuple[list[str], list[str]]:
     known = {(meta.split()[2], path) for meta, path in entries}  # (blob, path)
     ours = [p for p, blob in zip(paths, blobs) if (blob, p) in known]
     return ours, [p for p in paths if p not in ours]
-
-
-def _refuse_clobbering(layout: Layout, target: str, git_wrote: list[str]) -> None:
-    """A forced checkout of `target` overwrites the untracked files where it has
-    files: refuse while one of them is the user's (not one git wrote)."""
-    tree, where = layout.tree, rel(layout.tree, layout)
-    at_target = set(git(tree, "ls-tree", "-r", "-z", "--name-only", target).stdout.split("\0"))
-    if yours := sorted(set(_untracked(tree, git_wrote)[1]) & at_target):
-        raise StackError(f"going back to branch {target} in {where} would overwrite "
-                         f"untracked files of yours: {', '.join(yours[:5])}. Move them out "
-                         f"of {where}, then run the same command again")
 
 
 def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
@@ -509,7 +447,8 @@ def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
         tip = git(tree, "commit-tree", work, "-p", tip, "-F", "-", env=identity,
                   input=f"Unfinished resolution of {_stopped_patch(tree)} (rebase "
                   "abandoned)\n").stdout.strip()
-    if tip in (progress.get("release"), None) or _is_ancestor(tree, tip, BRANCH):
+    if tip == progress.get("release") or git(tree, "merge-base", "--is-ancestor", tip, BRANCH,
+                                             check=False).returncode == 0:
         return None  # nothing was done on the new release
     name, n = f"abandoned-rebase-{progress['version']}", 1
     while _has_ref(tree, f"refs/heads/{name}"):
@@ -535,10 +474,10 @@ def _project_digests(layout: Layout) -> dict[str, str]:
     return found
 
 
-def _staging(layout: Layout) -> Path:
-    """Where the finish puts the new files, and the old ones once replaced (in
-    build/, beside what they replace: moving them is a rename)."""
-    return layout.build_dir / "rebase-finish"
+def _pin(progress: dict) -> Pin:
+    d = progress["pin"]
+    return Pin(d["version"], d["commit"], d["base_tag"], Artifact(**d["sdist"]),
+               Artifact(**d["wheel"]))
 
 
 def _finish(layout: Layout, progress: dict) -> None:
@@ -556,20 +495,20 @@ def _finish(layout: Layout, progress: dict) -> None:
             + ". The finish replaces them: put them back (`git checkout -- <file>` in the "
             f"project), or give the rebase up with `make rebase-abandon`; {_again(progress)}")
     rendered = apply.rendered_stack(layout, progress["release"])
-    if _staging(layout).exists():
-        discard(_staging(layout))  # from a finish killed before its journal
-    _stage(layout, progress, rendered, _staging(layout) / "new")
-    progress["finishing"] = {"head": head(tree), "patches": list(rendered)}
-    _save(layout, progress)  # the journal: from here the next run completes it
+    staging = layout.build_dir / "rebase-finish"  # beside what it replaces: a rename moves it
+    if staging.exists():
+        discard(staging)  # from a finish killed before its journal
+    _stage(layout, progress, rendered, staging / "new")
+    # The journal: from here the next run completes the finish.
+    _save(layout, progress, finishing={"head": head(tree), "patches": list(rendered)})
     _complete_finish(layout, progress)
 
 
 def _stage(layout: Layout, progress: dict, rendered: dict[str, bytes], new: Path) -> None:
     """The new pin.toml, patches/ and vllm_overlay/, complete, under `new`."""
-    pin = _pin(progress)
+    pin, patches = _pin(progress), new / "patches"
     new.mkdir(parents=True)
     (new / "pin.toml").write_text(render_pin(pin))
-    patches = new / "patches"
     shutil.copytree(layout.patches_dir, patches, symlinks=True)  # its other files stay
     old_names = set(series_names(layout))
     for name, content in rendered.items():
@@ -591,7 +530,7 @@ def _stage(layout: Layout, progress: dict, rendered: dict[str, bytes], new: Path
 def _complete_finish(layout: Layout, progress: dict) -> None:
     """Move the staged files into place, then make the rebased branch `stack`.
     Each step can be done again: a killed finish is completed by the next run."""
-    tree, journal, staging = layout.tree, progress["finishing"], _staging(layout)
+    tree, journal, staging = layout.tree, progress["finishing"], layout.build_dir / "rebase-finish"
     for name in _PROJECT_FILES:
         new, current, old = staging / "new" / name, layout.root / name, staging / "old" / name
         if not os.path.lexists(new):
@@ -610,22 +549,15 @@ def _complete_finish(layout: Layout, progress: dict) -> None:
                 base_commit=progress["release"], rebase=None, status="applied",
                 applied_head=journal["head"], applied_digest=series_digest(read_series(layout)),
                 synced=apply.patches_snapshot(layout), exporting=None)
-    review = _touched_upstream_changes(layout, progress)
+    # A patch whose files upstream changed between the releases was really merged.
+    changed = set(git(tree, "diff", "--name-only", "-z", progress["old_base"],
+                      progress["release"]).stdout.split("\0")[:-1])
+    review = [apply.patch_name(_subject(tree, c)) for c in commits_since(tree, progress["release"])
+              if changed & set(git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r",
+                                   "-z", c).stdout.split("\0"))]
     say(f"rebased onto vLLM {pin.version}; pin.toml, patches/ ({len(journal['patches'])} "
         "patch(es)) and vllm_overlay/ updated"
         + (f"; upstream changed files these patches change, review them: {', '.join(review)}"
            if review else "")
         + ". Next: `make lock`, `make test`, then commit pin.toml, requirements/, patches/ "
         "and vllm_overlay/.")
-
-
-def _touched_upstream_changes(layout: Layout, progress: dict) -> list[str]:
-    """The patches whose files upstream changed between the two releases: their
-    rebase was a real merge, worth a review."""
-    tree = layout.tree
-    changed = set(git(tree, "diff", "--name-only", "-z", progress["old_base"],
-                      progress["release"]).stdout.split("\0")[:-1])
-    return [apply.patch_name(_subject(tree, commit))
-            for commit in commits_since(tree, progress["release"])
-            if changed.intersection(git(tree, "diff-tree", "--no-commit-id", "--name-only",
-                                        "-r", "-z", commit).stdout.split("\0"))]
