@@ -1,14 +1,10 @@
 """`make rebase VLLM_VERSION=x.y.z`: move the stack onto another vLLM release.
 
-A thin layer over `git rebase --onto`: the new release is committed in
-build/vllm as a child of the old one (tag `vllm-<new>`), and branch
-`rebase-<new>`, started at `stack`, is rebased onto it. Git keeps the rebase's
-state; `rerere` records each resolution, so a restart reuses it. The state
-file's `rebase` entry holds what git cannot: the new pin, the release commit,
-digests of the project's files, and which git of ours runs (a kill inside it
-is undone by the next run). pin.toml, patches/ and vllm_overlay/ change only
-when git's rebase is done: staged in full, then moved into place under a
-journal that the next run completes after a kill.
+Branch `rebase-<new>`, started at `stack`, is moved by `git rebase --onto` (with
+rerere) onto the new release, committed in build/vllm as a child of the old one.
+The state file's `rebase` entry holds what git cannot (the new pin, the release
+commit, the project's files' digests, which git of ours runs). pin.toml,
+patches/ and vllm_overlay/ change only once git is done, all or nothing.
 """
 
 from __future__ import annotations
@@ -60,11 +56,9 @@ def rebase(layout: Layout, version: str) -> None:
     progress = _progress(layout)
     if progress and (progress["version"] != version or progress.get("git") == "abandon"):
         raise StackError(f"a rebase to vLLM {progress['version']} is in progress in "
-                         f"{rel(layout.tree, layout)}"
-                         + (", and the last `make rebase-abandon` was killed: run it again"
-                            if progress.get("git") == "abandon" else
-                            f"; finish it with `make rebase VLLM_VERSION={progress['version']}`"
-                            " or give it up with `make rebase-abandon`"))
+                         f"{rel(layout.tree, layout)}: finish it with `make rebase VLLM_VERSION="
+                         f"{progress['version']}`, or give it up with `make rebase-abandon` "
+                         "(a killed `make rebase-abandon` is finished by running it again)")
     if progress is None:
         progress = _start(layout, version)
     elif progress.get("finishing"):
@@ -129,9 +123,6 @@ def _check_branch(layout: Layout, progress: dict) -> None:
         raise StackError(f"{where} is {'rebasing' if rebasing else 'on'} {on}, not on branch "
                          f"{branch} where the rebase to vLLM {progress['version']} is: `git -C "
                          f"{where} {fix}`, {_again(progress)} (or `make rebase-abandon`)")
-
-
-# --- start ------------------------------------------------------------------------
 
 
 def _start(layout: Layout, version: str) -> dict:
@@ -203,9 +194,6 @@ def pin_for(old: Pin, version: str) -> Pin:
     return Pin(version, "unknown", f"vllm-{version}", artifact(old.sdist), artifact(old.wheel))
 
 
-# --- driving git's rebase ---------------------------------------------------------------
-
-
 def _drive(layout: Layout, progress: dict) -> None:
     """Run git's rebase until it is done or stops for the user: start it, go on
     after a stop (the user ran `make rebase` again), and fold `fixup!` commits
@@ -241,12 +229,10 @@ def _drive(layout: Layout, progress: dict) -> None:
             raise _stop(layout, progress)
         if not (tree / _REBASE_DIR).is_dir() or _rebase_file(tree, "msgnum") == before:
             # git did not move (unstaged changes, a `git am` in progress): its own words.
-            output = apply.git_advice_removed(result.stdout + result.stderr)
-            lines = [ln for ln in output.splitlines() if ln.startswith(("error:", "fatal:"))]
+            output = (result.stdout + result.stderr).strip().splitlines()
             raise StackError(f"`git rebase {' '.join(args)}` stopped in {rel(tree, layout)}: "
-                             f"{' '.join(lines or output.strip().splitlines()[-1:])}. Fix "
-                             f"that there (`git -C {rel(tree, layout)} status`), "
-                             + _again(progress))
+                             + " ".join([ln for ln in output if ln.startswith(("error:", "fatal:"))]
+                                        or output[-1:]) + f". Fix that there, {_again(progress)}")
         # git stopped at a new pick with nothing left unmerged: rerere resolved it all.
         say(f"  {_stopped_patch(tree)}: reused the recorded resolution of the same conflict")
 
@@ -286,8 +272,6 @@ def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
     """Before going on from a stop: what is left, or was done by hand, that
     `git rebase --continue` would turn into a wrong patch."""
     tree, where = layout.tree, rel(layout.tree, layout)
-    if _unmerged(tree) or _in_the_way(tree):
-        raise _stop(layout, progress)
     if _rescheduled(tree) and git(tree, "diff", "--cached", "--quiet",
                                   check=False).returncode != 0:
         raise StackError(
@@ -335,9 +319,6 @@ def _stop(layout: Layout, progress: dict, stuck: bool = False) -> StackError:
         f"{what}; {_again(progress)} to go on. pin.toml and patches/ are unchanged and the "
         f"old stack is branch {progress['old_branch']}; to give up: `make rebase-abandon` "
         "(resolutions are recorded, a new `make rebase` reuses them)")
-
-
-# --- going back: after a kill inside git, or a give-up -----------------------------------
 
 
 def _recover_killed_git(layout: Layout, progress: dict) -> None:
@@ -456,9 +437,6 @@ def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
         name = f"abandoned-rebase-{progress['version']}-{n}"
     git(tree, "branch", name, tip)
     return name
-
-
-# --- the finish: the project's files, all or nothing -------------------------------------
 
 
 def _project_digests(layout: Layout) -> dict[str, str]:
