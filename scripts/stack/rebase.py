@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from scripts.common import Layout, StackError, discard, rel, say
@@ -373,16 +372,23 @@ def _go_back(layout: Layout, progress: dict, target: str, keep: bool,
              mark: str | None = None) -> str | None:
     """Give git's rebase up and check `target` out by force. The untracked files
     left are removed where they hold what git wrote (a blob of HEAD or of the
-    release at their path); a forced checkout would overwrite any other file
-    where `target` has one, so that is refused first. With `keep`, what the
+    release at their path); any other is the user's, and a forced checkout would
+    overwrite it where `target` has a file: refused first. With `keep`, what the
     rebase did is kept as a branch: its name is returned."""
     tree, where = layout.tree, rel(layout.tree, layout)
     release = progress.get("release")
-    ours, yours = _untracked(tree, [head(tree)] + ([release] if isinstance(release, str) else []))
+    revs = [head(tree)] + ([release] if isinstance(release, str) else [])
+    entries = [e.split("\t", 1) for rev in revs
+               for e in git(tree, "ls-tree", "-r", "-z", rev).stdout.split("\0")[:-1]]
+    wrote = {(meta.split()[2], path) for meta, path in entries}  # (blob, path)
+    untracked = git(tree, "ls-files", "--others", "-z").stdout.split("\0")[:-1]  # ignored too
+    blobs = git(tree, "hash-object", "--no-filters", "--stdin-paths", input="".join(
+        f"{p}\n" for p in untracked)).stdout.split() if untracked else []
+    ours = {p for p, blob in zip(untracked, blobs) if (blob, p) in wrote}
     at_target = git(tree, "ls-tree", "-r", "-z", "--name-only", target).stdout.split("\0")
-    if clobbered := sorted(set(yours) & set(at_target)):
+    if yours := sorted(set(untracked).intersection(at_target) - ours):
         raise StackError(f"going back to branch {target} in {where} would overwrite "
-                         f"untracked files of yours: {', '.join(clobbered[:5])}. Move them "
+                         f"untracked files of yours: {', '.join(yours[:5])}. Move them "
                          f"out of {where}, then run the same command again")
     if mark:
         _save(layout, progress, git=mark)  # a kill from here: the same command finishes it
@@ -391,36 +397,20 @@ def _go_back(layout: Layout, progress: dict, target: str, keep: bool,
                                              check=False).returncode != 0:
         git(tree, "rebase", "--quit")  # killed before its state was complete
     git(tree, "checkout", "-q", "-f", target)
-    for path in set(ours) & set(git(tree, "ls-files", "--others", "-z").stdout.split("\0")):
+    for path in ours.intersection(git(tree, "ls-files", "--others", "-z").stdout.split("\0")):
         (tree / path).unlink()
     return kept
-
-
-def _untracked(tree: Path, revs: list[str]) -> tuple[list[str], list[str]]:
-    """The untracked files (ignored ones too), split: those holding a blob of
-    one of `revs` at their path, and the others."""
-    paths = git(tree, "ls-files", "--others", "-z").stdout.split("\0")[:-1]
-    blobs = git(tree, "hash-object", "--no-filters", "--stdin-paths",
-                input="".join(f"{p}\n" for p in paths)).stdout.split() if paths else []
-    entries = [e.split("\t", 1) for rev in revs
-               for e in git(tree, "ls-tree", "-r", "-z", rev).stdout.split("\0")[:-1]]
-    known = {(meta.split()[2], path) for meta, path in entries}  # (blob, path)
-    ours = [p for p, blob in zip(paths, blobs) if (blob, p) in known]
-    return ours, [p for p in paths if p not in ours]
 
 
 def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
     """Point a new branch at the rebase's commits, plus a commit of the work tree
     when it holds changes (a resolution begun); return its name."""
     tree, tip = layout.tree, head(layout.tree)
-    fd, index = tempfile.mkstemp(prefix="k3-abandon-index-")
-    os.close(fd)
-    try:  # the work tree as a tree, through a copy of the index
-        shutil.copyfile(tree / ".git" / "index", index)
-        git(tree, "add", "-A", ".", env={"GIT_INDEX_FILE": index})
-        work = git(tree, "write-tree", env={"GIT_INDEX_FILE": index}).stdout.strip()
-    finally:
-        os.unlink(index)
+    index = tree / ".git" / "k3-keep-index"  # the work tree as a tree, via a copy of the index
+    shutil.copyfile(tree / ".git" / "index", index)
+    git(tree, "add", "-A", ".", env={"GIT_INDEX_FILE": str(index)})
+    work = git(tree, "write-tree", env={"GIT_INDEX_FILE": str(index)}).stdout.strip()
+    index.unlink()
     if work != git(tree, "rev-parse", f"{tip}^{{tree}}").stdout.strip():
         # The tool's identity as author too: a fresh machine may have none.
         identity = {**TOOL_IDENTITY, "GIT_AUTHOR_NAME": TOOL_IDENTITY["GIT_COMMITTER_NAME"],
