@@ -204,7 +204,7 @@ def _drive(layout: Layout, progress: dict) -> None:
         if (tree / _REBASE_DIR).is_dir():
             _refuse_unfinished_stop(layout, progress)
             if (before := _rebase_file(tree, "msgnum")) in gone_on_from:
-                raise _stop(layout, progress, stuck=True)  # went on from here, stopped again
+                raise _stop(layout, progress)  # went on from here in this run, stopped again
             gone_on_from.add(before)
             git(tree, "rerere", check=False)  # a kill inside git keeps the resolution
             args = ["--continue"]
@@ -263,8 +263,9 @@ def _in_the_way(tree: Path) -> list[str]:
         return []
     paths = git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
                 pick).stdout.split("\0")[:-1]
-    return [] if not paths else git(tree, "ls-files", "--others", "-z", "--", *paths,
-               env={"GIT_LITERAL_PATHSPECS": "1"}).stdout.split("\0")[:-1]
+    found = git(tree, "ls-files", "--others", "-z", "--", *paths,
+                env={"GIT_LITERAL_PATHSPECS": "1"}).stdout if paths else ""
+    return found.split("\0")[:-1]
 
 
 def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
@@ -288,7 +289,7 @@ def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
                 f"{_again(progress)}, and make the commit after the patch is applied")
 
 
-def _stop(layout: Layout, progress: dict, stuck: bool = False) -> StackError:
+def _stop(layout: Layout, progress: dict) -> StackError:
     """Record where git stopped (its pick, and HEAD: a commit made during the stop
     is told from it) and say what to do next."""
     tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
@@ -312,8 +313,8 @@ def _stop(layout: Layout, progress: dict, stuck: bool = False) -> StackError:
         what = (f"{name} conflicts with vLLM {version} in: {', '.join(conflicted)}. Resolve "
                 f"them in {where}, then `git -C {where} add <files>` (or drop the patch: {skip})")
     else:
-        what = (f"{name} stopped again after its resolution{' was reused' if stuck else ''}"
-                f": see `git -C {where} status`; if upstream has the patch, drop it ({skip})")
+        what = (f"{name} stopped again after its resolution: see `git -C {where} status`; "
+                f"if upstream has the patch, drop it ({skip})")
     return StackError(
         f"{what}; {_again(progress)} to go on. pin.toml and patches/ are unchanged and the "
         f"old stack is branch {progress['old_branch']}; to give up: `make rebase-abandon` "
@@ -340,13 +341,9 @@ def _recover_killed_git(layout: Layout, progress: dict) -> None:
 
 
 def abandon(layout: Layout) -> None:
-    """`make rebase-abandon`: give up the rebase in progress, losing nothing.
-
-    build/vllm goes back to branch `stack` on the old release (pin.toml and
-    patches/ were never changed). What the rebase did is kept as branch
-    `abandoned-rebase-<version>`, a begun resolution as its last commit; the
-    resolutions git recorded stay, for the next `make rebase` to reuse.
-    """
+    """`make rebase-abandon`: back to branch `stack`, losing nothing. What the
+    rebase did is kept as branch `abandoned-rebase-<version>` (a begun resolution
+    as its last commit); recorded resolutions stay, for the next rebase."""
     tree, where = layout.tree, rel(layout.tree, layout)
     if (version := rebase_in_progress(tree)) is None:
         raise StackError(f"no rebase is in progress in {where}: nothing to abandon")
@@ -430,16 +427,12 @@ def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
 
 
 def _project_digests(layout: Layout) -> dict[str, str]:
-    """sha256 of pin.toml and of every file under patches/ and vllm_overlay/."""
-    found = {}
-    for name in _PROJECT_FILES:
-        top = layout.root / name
-        paths = [top] if not top.is_dir() or top.is_symlink() else \
-            [Path(d) / f for d, _, files in os.walk(top) for f in files]
-        for path in paths:
-            if digest := apply.file_sha256(path):
-                found[path.relative_to(layout.root).as_posix()] = digest
-    return found
+    """sha256 of pin.toml and of every file under patches/ and vllm_overlay/ (a
+    marker for each of them that is no file: a link, a folder)."""
+    tops = [layout.root / name for name in _PROJECT_FILES]
+    paths = tops + [Path(d) / f for top in tops for d, _, files in os.walk(top) for f in files]
+    return {p.relative_to(layout.root).as_posix(): digest for p in paths
+            if (digest := apply.file_sha256(p))}
 
 
 def _pin(progress: dict) -> Pin:
