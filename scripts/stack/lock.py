@@ -143,7 +143,7 @@ def _resolution_failed(layout: Layout, env: LockedEnv, pin: Pin, wheel: Path | N
     name = canonicalize_name(Requirement(missing[1]).name) if missing else None
     of_wheel = [r for r in (wheel_requirements(wheel) if name and wheel else [])
                 if canonicalize_name(Requirement(r).name) == name]
-    if not (missing and of_wheel):
+    if wheel is None or not (missing and of_wheel):
         errors = [ln for ln in output.splitlines() if ln.startswith("ERROR:")] or [""]
         return StackError(f"pip could not resolve {env.path(layout).name}'s dependencies "
                           f"({errors[-1] or 'it gave no ERROR line'}); {see}")
