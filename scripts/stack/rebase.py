@@ -111,9 +111,11 @@ def _subject(tree: Path, rev: str) -> str:
 
 
 def _check_branch(layout: Layout, progress: dict) -> None:
-    """Go on only on branch rebase-<v>, or in git's rebase of it. (A moved tag
-    does no harm: git is given the release's commit.)"""
+    """Once git's rebase has begun, go on only on branch rebase-<v> or in git's
+    rebase of it. (A moved tag does no harm: git is given the release's commit.)"""
     tree, where, branch = layout.tree, rel(layout.tree, layout), _branch(progress)
+    if not progress.get("begun"):
+        return
     rebasing = _rebase_file(tree, "head-name").removeprefix("refs/heads/")
     on = rebasing or git(tree, "symbolic-ref", "-q", "--short", "HEAD",
                          check=False).stdout.strip() or "a detached HEAD"
@@ -141,22 +143,15 @@ def _start(layout: Layout, version: str) -> dict:
     progress = {"version": version, "pin": dataclasses.asdict(new), "old_base": old_base,
                 "old_branch": f"{BRANCH}-{old.version}", "release": release,
                 "project": _project_digests(layout)}
-    _save(layout, progress, git="start")  # from here a kill is undone by the next run
-    _switch_to_branch(layout, progress)
+    # Refs and settings only (git's rebase checks the branch out): done again after a kill.
+    git(tree, "branch", "-f", progress["old_branch"], BRANCH)
+    git(tree, "branch", "-f", _branch(progress), BRANCH)
+    git(tree, "config", "rerere.enabled", "true")  # a recorded resolution is reused
+    git(tree, "config", "rerere.autoUpdate", "true")
+    _save(layout, progress)
     say(f"rebasing {len(read_series(layout))} patch(es) from vLLM {old.version} onto "
         f"{version} with `git rebase` (old stack kept as branch {progress['old_branch']})")
     return progress
-
-
-def _switch_to_branch(layout: Layout, progress: dict) -> None:
-    """Keep the old stack as a branch and check rebase-<v> out at it (again,
-    whole, if a kill cut it short: nothing was rebased yet)."""
-    git(layout.tree, "branch", "-f", progress["old_branch"], BRANCH)
-    git(layout.tree, "checkout", "-q", "-B", _branch(progress), BRANCH)
-    # Recorded resolutions are reused when the same conflict comes back.
-    git(layout.tree, "config", "rerere.enabled", "true")
-    git(layout.tree, "config", "rerere.autoUpdate", "true")
-    _save(layout, progress, git=None)
 
 
 def _refuse_resetting_work(layout: Layout, version: str) -> None:
@@ -210,7 +205,8 @@ def _drive(layout: Layout, progress: dict) -> None:
             args = ["--continue"]
         elif git(tree, "merge-base", "--is-ancestor", release, "HEAD",
                  check=False).returncode != 0:
-            args = ["--committer-date-is-author-date", "--onto", release, progress["old_base"]]
+            args = ["--committer-date-is-author-date", "--onto", release, progress["old_base"],
+                    _branch(progress)]  # git checks the branch out first
         elif fixups := [s for s in (_subject(tree, c) for c in commits_since(tree, release))
                         if s.startswith(("fixup! ", "squash! ", "amend! "))]:
             say(f"  folding {len(fixups)} commit(s) made during the rebase into their "
@@ -219,7 +215,7 @@ def _drive(layout: Layout, progress: dict) -> None:
         else:
             return
         # Marked in the state file while git runs: the next run undoes a kill inside it.
-        _save(layout, progress, git=args[0])
+        _save(layout, progress, git=args[0], begun=True)
         result = git(tree, *_REBASE, *args, env=_GIT_REBASE_ENV, check=False)
         _save(layout, progress, git=None)
         if result.returncode == 0:
@@ -324,16 +320,13 @@ def _stop(layout: Layout, progress: dict) -> StackError:
 def _recover_killed_git(layout: Layout, progress: dict) -> None:
     """The last run was killed inside its git (the state's mark says which):
     that git's lock files are stale, as the project lock says no git of ours
-    runs now. A killed start is done again; a killed rebase is undone back to
-    branch rebase-<v> (a resolution a killed `--continue` had not committed is
-    kept as a branch), and rerere replays what was recorded before the kill."""
+    runs now. What it did is undone back to branch rebase-<v> (a resolution a
+    killed `--continue` had not committed is kept as a branch), and rerere
+    replays what was recorded before the kill."""
     tree, where, branch = layout.tree, rel(layout.tree, layout), _branch(progress)
-    removed, kept = remove_stale_git_locks(tree), None
-    if progress["git"] == "start":
-        _switch_to_branch(layout, progress)
-    else:
-        kept = _go_back(layout, progress, branch, keep=progress["git"] == "--continue")
-        _save(layout, progress, git=None)
+    removed = remove_stale_git_locks(tree)
+    kept = _go_back(layout, progress, branch, keep=progress["git"] == "--continue")
+    _save(layout, progress, git=None)
     say(f"the last `make rebase` was killed inside git; undid what it half did in {where}"
         + (f" (removed {', '.join(removed)})" if removed else "")
         + (f", its work tree kept as branch {kept}" if kept else "")
