@@ -245,31 +245,26 @@ def _stopped_patch(tree: Path) -> str:
     return apply.patch_name(_subject(tree, pick)) if pick else "a patch"
 
 
-def _rescheduled(tree: Path) -> bool:
-    """git stopped before its pick merged anything (an untracked file in the way):
-    the pick is both the last line done and the first still to do."""
+def _in_the_way(tree: Path) -> list[str] | None:
+    """None, unless git stopped before its pick merged anything (the pick is both
+    the last line done and the first still to do: an untracked file in the way);
+    then the untracked files where the pick writes."""
     done, todo = ([ln.split()[:2] for ln in _rebase_file(tree, name).splitlines()
                    if not ln.startswith("#")] for name in ("done", "git-rebase-todo"))
-    return bool(done and todo and done[-1] == todo[0])
-
-
-def _in_the_way(tree: Path) -> list[str]:
-    """The untracked files where the rescheduled pick writes."""
-    if not _rescheduled(tree) or not (pick := _stopped_pick(tree)):
-        return []
+    if not (done and todo and done[-1] == todo[0] and (pick := _stopped_pick(tree))):
+        return None
     paths = git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
                 pick).stdout.split("\0")[:-1]
-    found = git(tree, "ls-files", "--others", "-z", "--", *paths,
-                env={"GIT_LITERAL_PATHSPECS": "1"}).stdout if paths else ""
-    return found.split("\0")[:-1]
+    return git(tree, "ls-files", "--others", "-z", "--", *paths, env={
+        "GIT_LITERAL_PATHSPECS": "1"}).stdout.split("\0")[:-1] if paths else []
 
 
 def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
     """Before going on from a stop: what is left, or was done by hand, that
     `git rebase --continue` would turn into a wrong patch."""
     tree, where = layout.tree, rel(layout.tree, layout)
-    if _rescheduled(tree) and git(tree, "diff", "--cached", "--quiet",
-                                  check=False).returncode != 0:
+    if _in_the_way(tree) is not None and git(tree, "diff", "--cached", "--quiet",
+                                             check=False).returncode != 0:
         raise StackError(
             f"git applied nothing of {_stopped_patch(tree)}, so what is staged in {where} "
             f"would be committed as that patch: unstage it (`git -C {where} restore --staged "
