@@ -158,10 +158,10 @@ def _refuse_resetting_work(layout: Layout, version: str) -> None:
     """A branch left by an earlier rebase (given up by hand) may hold resolved
     patches that no other branch has: starting again would reset it."""
     tree, where, branch = layout.tree, rel(layout.tree, layout), f"rebase-{version}"
-    # (--exclude takes a branch's name without refs/heads/, before --branches)
-    if _has_ref(tree, f"refs/heads/{branch}") and (commits := git(
-            tree, "rev-list", f"refs/heads/{branch}", "--not", f"--exclude={branch}",
-            "--branches", "--tags").stdout.split()):
+    # (--exclude takes a branch's name without refs/heads/, before --branches; no
+    # such branch: no commits)
+    if commits := git(tree, "rev-list", f"refs/heads/{branch}", "--not", f"--exclude={branch}",
+                      "--branches", "--tags", check=False).stdout.split():
         raise StackError(
             f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
             f"that no other branch has, and a new rebase would reset it: rename it (`git -C "
@@ -345,8 +345,7 @@ def abandon(layout: Layout) -> None:
     if not _unmerged(tree):  # every conflict resolved and added: the next rebase reuses it
         git(tree, "rerere", check=False)
     kept = _go_back(layout, progress, BRANCH, keep=True, mark="abandon")
-    if _has_ref(tree, f"refs/heads/{_branch(progress)}"):
-        git(tree, "branch", "-q", "-D", _branch(progress))
+    git(tree, "branch", "-q", "-D", _branch(progress), check=False)  # if there is one
     write_state(tree, rebase=None, status="applied")
     say(f"abandoned the rebase to vLLM {version}: {where} is back on branch {BRANCH} "
         f"(pin.toml and patches/ unchanged)"
@@ -489,8 +488,7 @@ def _complete_finish(layout: Layout, progress: dict) -> None:
             os.replace(current, old)
         os.replace(new, current)
     git(tree, "checkout", "-q", "-B", BRANCH, journal["head"])
-    if _has_ref(tree, f"refs/heads/{_branch(progress)}"):
-        git(tree, "branch", "-q", "-D", _branch(progress))
+    git(tree, "branch", "-q", "-D", _branch(progress), check=False)  # gone after a kill
     if staging.exists():
         discard(staging)  # the old pin.toml, patches/ and vllm_overlay/
     pin = _pin(progress)
