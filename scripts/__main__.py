@@ -12,6 +12,10 @@ from scripts.mutex import project_lock
 
 # Commands that write nothing of the project's own (build/, .cache/, vllm_overlay/).
 _UNLOCKED = {"install-overlay"}
+# Commands that write what a `make rebase` in progress owns, or act on build/vllm
+# as if no rebase were in progress: refused until it is finished or given up.
+_WAIT_FOR_REBASE = {"apply", "patches", "overlay", "export", "check", "clean", "lock",
+                    "build", "test"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         with project_lock(layout, args.command):
             for folder in (layout.root, layout.build_dir, layout.patches_dir):
                 remove_leftovers(folder)  # from runs that were killed
+            if args.command in _WAIT_FOR_REBASE:
+                from scripts.stack.gitrepo import refuse_during_rebase
+
+                refuse_during_rebase(layout, args.command)
             return _dispatch(layout, args) or 0
     except StackError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -304,7 +304,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _file_sha256(path: Path) -> str | None:
+def file_sha256(path: Path) -> str | None:
     """sha256 of the regular file at `path`; None if nothing is there; for anything
     else (a link, a folder) a marker that equals no file's sha256."""
     if not os.path.lexists(path):
@@ -319,8 +319,8 @@ def patches_snapshot(layout: Layout) -> dict[str, str]:
     holds them now (after apply or export): what a later `make patches` may
     overwrite without losing anything. (A patch file the series does not list
     is no part of it: someone's, kept.)"""
-    found = {name: _file_sha256(layout.patches_dir / name) for name in series_names(layout)}
-    found[SERIES] = _file_sha256(layout.series_file)
+    found = {name: file_sha256(layout.patches_dir / name) for name in series_names(layout)}
+    found[SERIES] = file_sha256(layout.series_file)
     return {name: digest for name, digest in found.items() if digest}
 
 
@@ -362,7 +362,7 @@ def refuse_overwriting_edits(layout: Layout, rendered: dict[str, bytes],
     edited = []
     for name in sorted(wanted.keys() | set(old_names)):
         path = layout.series_file if name == SERIES else layout.patches_dir / name
-        current = _file_sha256(path)
+        current = file_sha256(path)
         if current not in (None, wanted.get(name), synced.get(name)):
             edited.append(f"patches/{name}")
     if edited:
@@ -395,12 +395,12 @@ def export_patches(layout: Layout) -> None:
     changed = 0
     for name, content in rendered.items():
         path = layout.patches_dir / name
-        if _file_sha256(path) != _sha256(content):
+        if file_sha256(path) != _sha256(content):
             write_atomically(path, content)
             changed += 1
-    dropped = {name: _file_sha256(layout.patches_dir / name)
+    dropped = {name: file_sha256(layout.patches_dir / name)
                for name in set(old_names) - rendered.keys()}
-    notes = _notes_to_remove(layout, dropped, added=rendered.keys() - set(old_names))
+    notes = notes_to_remove(layout, dropped, added=rendered.keys() - set(old_names))
     write_state(tree, exporting={"series": series_text(list(rendered)).decode(),
                                  "remove": {**dropped, **notes}})
     finish_interrupted_export(layout, quiet=True)
@@ -412,7 +412,7 @@ def export_patches(layout: Layout) -> None:
     overlay.regenerate(layout, pin, list(rendered))
 
 
-def _notes_to_remove(layout: Layout, dropped_patches, added) -> dict[str, str]:
+def notes_to_remove(layout: Layout, dropped_patches, added) -> dict[str, str]:
     """The notes of the patches an export drops (`make check` refuses notes of no
     patch), by `notes/<stem>.md` and digest: each only if the project's git has
     it committed as it is, and only when no patch joins the series (a changed
@@ -428,7 +428,7 @@ def _notes_to_remove(layout: Layout, dropped_patches, added) -> dict[str, str]:
                  f"{', '.join(sorted(added))} joined it; if one is the same patch renamed, "
                  "rename the notes to its stem, else delete them")
         elif _committed_as_is(layout, path):
-            remove[f"{NOTES_DIR}/{path.name}"] = _file_sha256(path)
+            remove[f"{NOTES_DIR}/{path.name}"] = file_sha256(path)
         else:
             warn(f"kept {rel(path, layout)}: its patch left the series, but the file is not "
                  "committed as it is; move what it says elsewhere and delete it")
@@ -458,7 +458,7 @@ def finish_interrupted_export(layout: Layout, quiet: bool = False) -> None:
     listed = set(series_names(layout))
     for name, digest in journal["remove"].items():
         path = layout.patches_dir / name
-        if name not in listed and digest and _file_sha256(path) == digest:
+        if name not in listed and digest and file_sha256(path) == digest:
             path.unlink()  # still in the project's git history, or in build/vllm's
             if name.startswith(f"{NOTES_DIR}/"):
                 say(f"removed {rel(path, layout)}: its patch left the series "

@@ -20,8 +20,8 @@ from scripts.stack.fetch import (
     configured_indexes,
     ensure_artifact,
     index_needed,
-    list_project_files,
     newest_version,
+    project_page,
     release_versions,
 )
 from scripts.stack.gitrepo import create_base, git, is_stack_repo, read_state
@@ -58,7 +58,7 @@ def drift(layout: Layout, version: str | None = None) -> int:
 
 def newest_release(pin: Pin) -> str:
     """The highest final-release version with an sdist on the first index."""
-    files = list_project_files(configured_indexes()[0], pin.project)
+    files = project_page(configured_indexes()[0], pin.project)
     return newest_version(release_versions(files) + [pin.version])
 
 

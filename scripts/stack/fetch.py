@@ -238,7 +238,7 @@ def find_in_index(project: str, filename: str) -> IndexFile:
     unreachable, missing = [], []
     for index in configured_indexes():
         try:
-            files = list_project_files(index, project)
+            files = project_page(index, project)
         except IndexUnreachable as e:
             unreachable.append(str(e))
             continue
@@ -253,6 +253,17 @@ def find_in_index(project: str, filename: str) -> IndexFile:
         raise IndexUnreachable("; ".join(unreachable + missing))
     raise StackError(f"cannot download {filename}: " + "; ".join(missing)
                      + ". Check the version asked for (pin.toml, or VLLM_VERSION).")
+
+
+# Index pages read by this process: a command that looks up several files (a
+# release's sdist and wheel, then the download) reads each page once.
+_PAGES: dict[tuple[str, str], list[IndexFile]] = {}
+
+
+def project_page(index: str, project: str) -> list[IndexFile]:
+    if (index, project) not in _PAGES:
+        _PAGES[index, project] = list_project_files(index, project)
+    return _PAGES[index, project]
 
 
 def _not_listed(index: str, project: str, filename: str, files: list[IndexFile]) -> str:

@@ -135,6 +135,31 @@ def is_stack_repo(tree: Path) -> bool:
     return (tree / ".git").is_dir() and state_path(tree).exists()
 
 
+def rebase_in_progress(tree: Path) -> str | None:
+    """The release a `make rebase` in progress in `tree` moves to: from the state
+    file, or from git's own rebase of a `rebase-<version>` branch."""
+    if not is_stack_repo(tree):
+        return None
+    progress = read_state(tree).get("rebase")
+    version = progress.get("version") if isinstance(progress, dict) else None
+    head_name = tree / ".git" / "rebase-merge" / "head-name"
+    ref = head_name.read_text().strip() if head_name.is_file() else ""
+    if not isinstance(version, str) and ref.startswith("refs/heads/rebase-"):
+        version = ref.removeprefix("refs/heads/rebase-")
+    return version if isinstance(version, str) else "?" if progress else None
+
+
+def refuse_during_rebase(layout: Layout, command: str) -> None:
+    """`command` writes what a rebase in progress owns (build/vllm, pin.toml,
+    patches/, vllm_overlay/): refuse, naming the only two ways on."""
+    if (version := rebase_in_progress(layout.tree)) is None:
+        return
+    go_on = f"`make rebase VLLM_VERSION={version}`" if version != "?" else "`make rebase`"
+    raise StackError(f"a rebase to vLLM {version} is in progress in {rel(layout.tree, layout)}, "
+                     f"so `make {command}` would undo or miss it: finish it with {go_on}, or "
+                     "give it up with `make rebase-abandon`; then run the command again")
+
+
 def _unsafe(parts: tuple[str, ...]) -> bool:
     return not parts or ".." in parts or ".git" in parts
 

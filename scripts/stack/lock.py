@@ -19,7 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.common import Layout, StackError, run, say
+from scripts.common import Layout, StackError, rel, run, say
 from scripts.stack.fetch import ensure_artifact
 from scripts.stack.pin import Pin, load_pin
 from scripts.stack.requirements import Requirement, canonicalize_name
@@ -130,6 +130,36 @@ def check_lock_matches_wheel(layout: Layout, pin: Pin, wheel: Path) -> None:
             "from the pinned wheel), then `make test`")
 
 
+def _resolution_failed(layout: Layout, env: LockedEnv, pin: Pin, wheel: Path | None,
+                       output: str) -> StackError:
+    """One line for a pip resolution that failed; pip's own output (a hundred
+    lines for one missing version) goes to a log the line names. A requirement
+    of the wheel that the index cannot serve is fixed in pin.toml: named so."""
+    log = layout.build_dir / f"lock-{env.name}-pip.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(output)
+    see = f"pip's output is in {rel(log, layout)}"
+    missing = re.search(r"No matching distribution found for (\S+)", output)
+    name = canonicalize_name(Requirement(missing[1]).name) if missing else None
+    of_wheel = [r for r in (wheel_requirements(wheel) if name and wheel else [])
+                if canonicalize_name(Requirement(r).name) == name]
+    if wheel is None or not (missing and of_wheel):
+        errors = [ln for ln in output.splitlines() if ln.startswith("ERROR:")] or [""]
+        return StackError(f"pip could not resolve {env.path(layout).name}'s dependencies "
+                          f"({errors[-1] or 'it gave no ERROR line'}); {see}")
+    served = re.search(r"\(from versions: ([^)]*)\)", output)
+    has = f" (it serves: {served[1]})" if served else ""
+    if sub := next((s for s in pin.substitutes if s.requirement == of_wheel[0]), None):
+        return StackError(f"the package index cannot serve {missing[1]}{has}, the `use` of "
+                          f"pin.toml's [[lock.substitute]] for {sub.requirement}: make it a "
+                          f"version the index serves, then run `make lock` again; {see}")
+    return StackError(
+        f"the package index cannot serve {missing[1]}{has}, which {wheel.name} "
+        f"requires: add a [[lock.substitute]] entry to pin.toml with requirement = "
+        f"{json.dumps(of_wheel[0])}, use = \"{name}==<a version it serves>\" and why = "
+        f"\"<why that version will do>\", then run `make lock` again; {see}")
+
+
 def generate(layout: Layout) -> None:
     for env in ENVIRONMENTS:
         _generate(layout, env)
@@ -138,7 +168,7 @@ def generate(layout: Layout) -> None:
 def _generate(layout: Layout, env: LockedEnv) -> None:
     pin = load_pin(layout.pin_file)
     with tempfile.TemporaryDirectory() as tmp:
-        sources = ["-r", str(env.source(layout))]
+        sources, wheel = ["-r", str(env.source(layout))], None
         if env.with_vllm_dependencies:
             # The wheel's requirements rather than the wheel itself, so that
             # pin.toml's substitutes take the place of what the index lacks.
@@ -149,8 +179,11 @@ def _generate(layout: Layout, env: LockedEnv) -> None:
             sources += ["-r", str(vllm_requirements)]
         report = Path(tmp) / "report.json"
         say(f"resolving {env.path(layout).name}'s dependencies with pip (dry run)")
-        run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-             "--quiet", "--report", str(report), *sources])
+        result = run([sys.executable, "-m", "pip", "install", "--dry-run",
+                      "--ignore-installed", "--quiet", "--report", str(report), *sources],
+                     check=False)
+        if result.returncode != 0:
+            raise _resolution_failed(layout, env, pin, wheel, result.stdout + result.stderr)
         data = json.loads(report.read_text())
     lines = []
     for item in sorted(data["install"], key=lambda i: i["metadata"]["name"].lower()):

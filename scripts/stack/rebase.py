@@ -1,27 +1,25 @@
 """`make rebase VLLM_VERSION=x.y.z`: move the stack onto another vLLM release.
 
-The new release is committed in build/vllm as a child of the old one, and
-the patches are re-applied on it with 3-way merging allowed. At the first
-conflict the run stops, names the patch and the files, and says how to go on;
-pin.toml and patches/ change only once every patch is on the new release
-(then the patches are re-exported, so no resolution stays unexported). The
-old stack stays in build/vllm as branch `stack-<old version>`.
+Branch `rebase-<new>`, started at `stack`, is moved by `git rebase --onto` (with
+rerere) onto the new release, committed in build/vllm as a child of the old one.
+The state file's `rebase` entry holds what git cannot (the new pin, the release
+commit, the project's files' digests, which git of ours runs). pin.toml,
+patches/ and vllm_overlay/ change only once git is done, all or nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import re
 import shutil
-import tempfile
+from pathlib import Path
 
-from scripts.common import Layout, StackError, rel, say, write_atomically
-from scripts.stack import apply
+from scripts.common import Layout, StackError, discard, rel, say
+from scripts.stack import apply, overlay
 from scripts.stack.fetch import IndexUnreachable, ensure_artifact, find_in_index, index_needed
 from scripts.stack.gitrepo import (
     BRANCH,
     TOOL_IDENTITY,
-    am_in_progress,
     commits_since,
     dirty_files,
     git,
@@ -29,91 +27,146 @@ from scripts.stack.gitrepo import (
     import_release,
     is_stack_repo,
     read_state,
+    rebase_in_progress,
     release_commit_id,
     remove_stale_git_locks,
     write_state,
 )
 from scripts.stack.pin import Artifact, Pin, check_version, load_pin, render_pin
-from scripts.stack.series import read_series, touched_paths
+from scripts.stack.series import read_series, series_digest, series_names, series_text
 
-_AM_3WAY = [*apply.AM, "--3way"]
 # A new release's files may be at most this many times the size of the pinned
 # ones: their size comes from the index, which must not be able to fill the disk.
 _MAX_GROWTH = 4
+# What the finish writes, relative to the project root, all or nothing.
+_PROJECT_FILES = ("pin.toml", "patches", "vllm_overlay")
+# git's rebase runs without an editor; it comments out its notes on a conflict
+# with core.commentChar, and "#" would strip a patch message's "## Purpose" too.
+_GIT_REBASE_ENV = {"GIT_EDITOR": ":", "GIT_SEQUENCE_EDITOR": ":"}
+_REBASE = ["-c", "core.commentChar=auto", "rebase"]
+_REBASE_DIR = ".git/rebase-merge"  # git's rebase state, while a rebase is in progress
 
 
 def rebase(layout: Layout, version: str) -> None:
     check_version(version, "VLLM_VERSION", "give a release, as in "
                   "`make rebase VLLM_VERSION=0.34.0`")
-    tree = layout.tree
-    if not is_stack_repo(tree):
-        raise StackError(f"{rel(tree, layout)} does not exist; run `make apply` first")
-    progress = read_state(tree).get("rebase")
-    if progress and progress["pin"]["version"] != version:
-        raise StackError(
-            f"a rebase to vLLM {progress['pin']['version']} is in progress in "
-            f"{rel(tree, layout)}; finish it with `make rebase VLLM_VERSION="
-            f"{progress['pin']['version']}` or give it up with `make rebase-abandon`")
-    if progress:
-        _resume(layout, progress)
-    else:
+    if not is_stack_repo(layout.tree):
+        raise StackError(f"{rel(layout.tree, layout)} does not exist; run `make apply` first")
+    progress = _progress(layout)
+    if progress and (progress["version"] != version or progress.get("git") == "abandon"):
+        raise StackError(f"a rebase to vLLM {progress['version']} is in progress in "
+                         f"{rel(layout.tree, layout)}: finish it with `make rebase VLLM_VERSION="
+                         f"{progress['version']}`, or give it up with `make rebase-abandon` "
+                         "(a killed `make rebase-abandon` is finished by running it again)")
+    if progress is None:
         progress = _start(layout, version)
-    _apply_remaining(layout, progress)
+    elif progress.get("finishing"):
+        _complete_finish(layout, progress)
+        return
+    elif progress.get("git"):
+        _recover_killed_git(layout, progress)
+    _check_branch(layout, progress)
+    _drive(layout, progress)
     _finish(layout, progress)
+
+
+def _progress(layout: Layout) -> dict | None:
+    """The state file's rebase entry, or None; one line if it is damaged."""
+    progress = read_state(layout.tree).get("rebase")
+    keys = {"version": str, "pin": dict, "old_base": str, "old_branch": str,
+            "release": str, "project": dict}
+    if progress is None or isinstance(progress, dict) and all(
+            isinstance(progress.get(k), t) for k, t in keys.items()):
+        return progress
+    raise StackError(f"{rel(layout.tree, layout)}/.git/k3-stack.json: its rebase entry is "
+                     "damaged; give the rebase up with `make rebase-abandon` (git's own "
+                     "state is kept as a branch), then start it again")
+
+
+def _save(layout: Layout, progress: dict, **changes) -> None:
+    progress.update(changes)
+    write_state(layout.tree, rebase=progress)
+
+
+def _branch(progress: dict) -> str:
+    return f"rebase-{progress['version']}"
+
+
+def _again(progress: dict) -> str:
+    return f"then run `make rebase VLLM_VERSION={progress['version']}` again"
+
+
+def _rebase_file(tree: Path, name: str) -> str:
+    """A file of git's rebase state ("msgnum": the todo lines done), or ""."""
+    path = tree / _REBASE_DIR / name
+    return path.read_text().strip() if path.exists() else ""
+
+
+def _has_ref(tree: Path, ref: str) -> bool:
+    return git(tree, "rev-parse", "-q", "--verify", ref, check=False).returncode == 0
+
+
+def _subject(tree: Path, rev: str) -> str:
+    return git(tree, "log", "-1", "--format=%s", rev).stdout.strip()
+
+
+def _check_branch(layout: Layout, progress: dict) -> None:
+    """Once git's rebase has begun, go on only on branch rebase-<v> or in git's
+    rebase of it. (A moved tag does no harm: git is given the release's commit.)"""
+    tree, where, branch = layout.tree, rel(layout.tree, layout), _branch(progress)
+    if not progress.get("begun"):
+        return
+    rebasing = _rebase_file(tree, "head-name").removeprefix("refs/heads/")
+    on = rebasing or git(tree, "symbolic-ref", "-q", "--short", "HEAD",
+                         check=False).stdout.strip() or "a detached HEAD"
+    if on != branch:
+        fix = "rebase --abort" if rebasing else f"checkout {branch}"
+        raise StackError(f"{where} is {'rebasing' if rebasing else 'on'} {on}, not on branch "
+                         f"{branch} where the rebase to vLLM {progress['version']} is: `git -C "
+                         f"{where} {fix}`, {_again(progress)} (or `make rebase-abandon`)")
 
 
 def _start(layout: Layout, version: str) -> dict:
     old = load_pin(layout.pin_file)
     if version == old.version:
-        raise StackError(f"the stack is already on vLLM {version}")
+        raise StackError(f"the stack is already on vLLM {version} (pin.toml): nothing to do")
+    tree = layout.tree
     apply.guard_tree(layout, "`make rebase`")
+    old_base = read_state(tree)["base_tag"]
+    # The finish replaces patches/: it must hold the stack, and nothing else edited.
+    apply.refuse_overwriting_edits(layout, apply.rendered_stack(layout, old_base))
     _refuse_resetting_work(layout, version)
     new = pin_for(old, version)
-    sdist = ensure_artifact(layout, new.project, new.sdist)
-    tree = layout.tree
-    old_base = read_state(tree)["base_tag"]
-    commit = import_release(layout, new, sdist, parent=old_base)
-    new = Pin(new.version, release_commit_id(tree, commit) or "unknown",
-              new.base_tag, new.sdist, new.wheel)
-    git(tree, "branch", "-f", f"{BRANCH}-{old.version}", BRANCH)
-    git(tree, "checkout", "-q", "-B", rebase_branch(version), commit)
-    progress = {"pin": _pin_dict(new), "patches": [p.name for p in read_series(layout)],
-                "next": 0, "three_way": [], "old_branch": f"{BRANCH}-{old.version}",
-                # patches/ as the rebase read it: what its export may overwrite
-                "synced": apply.patches_snapshot(layout)}
-    write_state(tree, rebase=progress, status="rebasing")
-    say(f"rebasing {len(progress['patches'])} patch(es) from vLLM {old.version} onto "
-        f"{version} (3-way merge allowed; old stack kept as {progress['old_branch']})")
+    release = import_release(layout, new, ensure_artifact(layout, new.project, new.sdist),
+                             parent=old_base)
+    new = dataclasses.replace(new, commit=release_commit_id(tree, release) or "unknown")
+    progress = {"version": version, "pin": dataclasses.asdict(new), "old_base": old_base,
+                "old_branch": f"{BRANCH}-{old.version}", "release": release,
+                "project": _project_digests(layout)}
+    # Refs and settings only (git's rebase checks the branch out): done again after a kill.
+    git(tree, "branch", "-f", progress["old_branch"], BRANCH)
+    git(tree, "branch", "-f", _branch(progress), BRANCH)
+    git(tree, "config", "rerere.enabled", "true")  # a recorded resolution is reused
+    git(tree, "config", "rerere.autoUpdate", "true")
+    _save(layout, progress)
+    say(f"rebasing {len(read_series(layout))} patch(es) from vLLM {old.version} onto "
+        f"{version} with `git rebase` (old stack kept as branch {progress['old_branch']})")
     return progress
-
-
-def rebase_branch(version: str) -> str:
-    return f"rebase-{version}"
-
-
-def _commits_only_on(tree, branch: str) -> list[str]:
-    """The commits `branch` holds that no other branch or tag reaches."""
-    ref = f"refs/heads/{branch}"
-    if git(tree, "rev-parse", "-q", "--verify", ref, check=False).returncode != 0:
-        return []
-    # (--exclude takes a branch's name without refs/heads/ before --branches)
-    return git(tree, "rev-list", ref, "--not", f"--exclude={branch}", "--branches",
-               "--tags").stdout.split()
 
 
 def _refuse_resetting_work(layout: Layout, version: str) -> None:
     """A branch left by an earlier rebase (given up by hand) may hold resolved
-    patches: starting again would reset it and leave them to the reflog."""
-    tree, where, branch = layout.tree, rel(layout.tree, layout), rebase_branch(version)
-    if not (commits := _commits_only_on(tree, branch)):
-        return
-    newest = git(tree, "log", "-1", "--format=%s", commits[0]).stdout.strip()
-    raise StackError(
-        f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
-        f"to vLLM {version} (the newest: {newest!r}) that no other branch has; a new "
-        f"rebase would reset it. Keep them under another name (`git -C {where} branch -m "
-        f"{branch} <name>`) or delete the branch (`git -C {where} branch -D {branch}`), "
-        f"then run `make rebase VLLM_VERSION={version}` again.")
+    patches that no other branch has: starting again would reset it."""
+    tree, where, branch = layout.tree, rel(layout.tree, layout), f"rebase-{version}"
+    # (--exclude takes a branch's name without refs/heads/, before --branches; no
+    # such branch: no commits)
+    if commits := git(tree, "rev-list", f"refs/heads/{branch}", "--not", f"--exclude={branch}",
+                      "--branches", "--tags", check=False).stdout.split():
+        raise StackError(
+            f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
+            f"that no other branch has, and a new rebase would reset it: rename it (`git -C "
+            f"{where} branch -m {branch} <name>`) or delete it (`git -C {where} branch -D "
+            f"{branch}`), then run `make rebase VLLM_VERSION={version}` again")
 
 
 def pin_for(old: Pin, version: str) -> Pin:
@@ -124,249 +177,334 @@ def pin_for(old: Pin, version: str) -> Pin:
             found = find_in_index(old.project, filename)
         except IndexUnreachable as e:
             raise index_needed(f"look up vLLM {version}'s files and their sha256", e)
-        if not (found.sha256 and found.size):
-            raise StackError(f"the index gives no size/sha256 for {filename}; "
-                             "write the new pin.toml by hand and run `make apply`")
-        if found.size > _MAX_GROWTH * old_art.size:
+        if not (found.sha256 and found.size) or found.size > _MAX_GROWTH * old_art.size:
             raise StackError(
-                f"the index lists {filename} at {found.size / 1e6:.1f} MB, more than "
-                f"{_MAX_GROWTH} times larger than the pinned {old_art.filename} "
-                f"({old_art.size / 1e6:.1f} MB); refusing to download it. If that size is "
-                "right, write the new pin.toml by hand and run `make apply`.")
+                f"the index lists {filename} with no size/sha256, or more than {_MAX_GROWTH} "
+                f"times larger ({(found.size or 0) / 1e6:.1f} MB) than the pinned "
+                f"{old_art.filename}: refusing to download it. If that is right, write the "
+                "new pin.toml by hand and run `make apply`")
         return Artifact(filename, found.size, found.sha256)
 
     return Pin(version, "unknown", f"vllm-{version}", artifact(old.sdist), artifact(old.wheel))
 
 
-def _reflog_length(tree) -> int:
-    """How many times HEAD has moved or been reset (`git am --abort` counts too)."""
-    return int(git(tree, "rev-list", "--walk-reflogs", "--count", "HEAD").stdout.strip() or 0)
+def _drive(layout: Layout, progress: dict) -> None:
+    """Run git's rebase until it is done or stops for the user: start it, go on
+    after a stop (the user ran `make rebase` again), and fold `fixup!` commits
+    made during it. A stop that `rerere` resolved in full is gone on from."""
+    tree, release = layout.tree, progress["release"]
+    gone_on_from: set[str] = set()
+    while True:
+        before = None
+        if (tree / _REBASE_DIR).is_dir():
+            _refuse_unfinished_stop(layout, progress)
+            if (before := _rebase_file(tree, "msgnum")) in gone_on_from:
+                raise _stop(layout, progress)  # went on from here in this run, stopped again
+            gone_on_from.add(before)
+            git(tree, "rerere", check=False)  # a kill inside git keeps the resolution
+            args = ["--continue"]
+        elif git(tree, "merge-base", "--is-ancestor", release, "HEAD",
+                 check=False).returncode != 0:
+            args = ["--committer-date-is-author-date", "--onto", release, progress["old_base"],
+                    _branch(progress)]  # git checks the branch out first
+        elif fixups := [s for s in (_subject(tree, c) for c in commits_since(tree, release))
+                        if s.startswith(("fixup! ", "squash! ", "amend! "))]:
+            say(f"  folding {len(fixups)} commit(s) made during the rebase into their "
+                f"patches: {', '.join(fixups)}")
+            args = ["-i", "--autosquash", "--committer-date-is-author-date", release]
+        else:
+            return
+        # Marked in the state file while git runs: the next run undoes a kill inside it.
+        _save(layout, progress, git=args[0], begun=True)
+        result = git(tree, *_REBASE, *args, env=_GIT_REBASE_ENV, check=False)
+        _save(layout, progress, git=None)
+        if result.returncode == 0:
+            continue
+        if (tree / _REBASE_DIR).is_dir() and (_unmerged(tree) or _in_the_way(tree)):
+            raise _stop(layout, progress)
+        if not (tree / _REBASE_DIR).is_dir() or _rebase_file(tree, "msgnum") == before:
+            # git did not move (unstaged changes, a `git am` in progress): its own words.
+            output = (result.stdout + result.stderr).strip().splitlines()
+            raise StackError(f"`git rebase {' '.join(args)}` stopped in {rel(tree, layout)}: "
+                             + " ".join([ln for ln in output if ln.startswith(("error:", "fatal:"))]
+                                        or output[-1:]) + f". Fix that there, {_again(progress)}")
+        # git stopped at a new pick with nothing left unmerged: rerere resolved it all.
+        say(f"  {_stopped_patch(tree)}: reused the recorded resolution of the same conflict")
 
 
-def _resume(layout: Layout, progress: dict) -> None:
-    """Go on after a stop: finish the resolved `git am`, or note a skipped patch.
+def _unmerged(tree: Path) -> list[str]:
+    return git(tree, "diff", "--name-only", "-z", "--diff-filter=U").stdout.split("\0")[:-1]
 
-    Only `git am --skip` drops a patch. It leaves HEAD and its reflog as they
-    were at the stop; `git am --abort` (which `make apply` suggests) also
-    leaves HEAD there but adds a reflog entry: then the patch is applied again.
-    """
+
+def _stopped_pick(tree: Path) -> str:
+    return git(tree, "rev-parse", "-q", "--verify", "REBASE_HEAD", check=False).stdout.strip()
+
+
+def _stopped_patch(tree: Path) -> str:
+    pick = _stopped_pick(tree)
+    return apply.patch_name(_subject(tree, pick)) if pick else "a patch"
+
+
+def _in_the_way(tree: Path) -> list[str] | None:
+    """None, unless git stopped before its pick merged anything (the pick is both
+    the last line done and the first still to do: an untracked file in the way);
+    then the untracked files where the pick writes."""
+    done, todo = ([ln.split()[:2] for ln in _rebase_file(tree, name).splitlines()
+                   if not ln.startswith("#")] for name in ("done", "git-rebase-todo"))
+    if not (done and todo and done[-1] == todo[0] and (pick := _stopped_pick(tree))):
+        return None
+    paths = git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
+                pick).stdout.split("\0")[:-1]
+    return git(tree, "ls-files", "--others", "-z", "--", *paths, env={
+        "GIT_LITERAL_PATHSPECS": "1"}).stdout.split("\0")[:-1] if paths else []
+
+
+def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
+    """Before going on from a stop: what is left, or was done by hand, that
+    `git rebase --continue` would turn into a wrong patch."""
     tree, where = layout.tree, rel(layout.tree, layout)
-    if progress.get("am_running"):
-        _undo_killed_am(layout, progress)
-        return
-    if progress["next"] >= len(progress["patches"]):
-        return  # every patch is on the new release; only the finish is left
-    if am_in_progress(tree):
-        result = git(tree, "am", "--continue", env=TOOL_IDENTITY, check=False)
-        if result.returncode != 0:
-            _stop(layout, progress, result.stdout + result.stderr)
-    applied = len(commits_since(tree, progress["pin"]["base_tag"]))
-    name = progress["patches"][progress["next"]]
-    if applied == progress["next"] and (dirty := dirty_files(tree)):
+    if _in_the_way(tree) is not None and git(tree, "diff", "--cached", "--quiet",
+                                             check=False).returncode != 0:
         raise StackError(
-            f"{where} has uncommitted changes but no `git am` in progress: "
-            + ", ".join(dirty[:5]) + f". Discard them (`git -C {where} reset --hard`) "
-            f"and run `make rebase VLLM_VERSION={progress['pin']['version']}` again: it "
-            f"applies {name} again.")
-    if applied == progress["next"] and _reflog_length(tree) != progress.get("stopped_reflog"):
-        say(f"  the `git am` of {name} was undone (`git am --abort`, say), not skipped: "
-            f"applying it again (to drop it, `git -C {where} am --skip` at its stop)")
-    elif applied == progress["next"]:
-        progress["patches"].pop(progress["next"])
-        progress.setdefault("dropped", []).append(name)
-        say(f"  dropped {name} (skipped with `git am --skip` during the rebase)")
+            f"git applied nothing of {_stopped_patch(tree)}, so what is staged in {where} "
+            f"would be committed as that patch: unstage it (`git -C {where} restore --staged "
+            f".`), move files of yours out of {where}, {_again(progress)}")
+    stop, pick = progress.get("stop") or {}, _stopped_pick(tree)
+    if pick and stop.get("pick") == pick and stop["head"] != head(tree):
+        made = git(tree, "log", "--format=%s", f"{stop['head']}..HEAD").stdout.splitlines()
+        if _subject(tree, pick) not in made:
+            raise StackError(
+                f"a commit made during the stop at {_stopped_patch(tree)} ({made[0]!r}) took "
+                f"that patch's resolution along, and git would count it as the patch: undo "
+                f"it keeping its changes (`git -C {where} reset --soft {stop['head'][:12]}`), "
+                f"{_again(progress)}, and make the commit after the patch is applied")
+
+
+def _stop(layout: Layout, progress: dict) -> StackError:
+    """Record where git stopped (its pick, and HEAD: a commit made during the stop
+    is told from it) and say what to do next."""
+    tree, where, version = layout.tree, rel(layout.tree, layout), progress["version"]
+    _save(layout, progress, stop={"pick": _stopped_pick(tree), "head": head(tree)})
+    end, patch = _rebase_file(tree, "end"), _stopped_patch(tree)
+    name = (f"[{_rebase_file(tree, 'msgnum')}/{end}] " if end else "") + patch
+    skip = f"`git -C {where} rebase --skip`"
+    conflicted = _unmerged(tree)
+    deleted = [p for p in conflicted if git(tree, "cat-file", "-e", f"{progress['release']}:{p}",
+                                            check=False).returncode != 0]
+    if in_the_way := _in_the_way(tree):
+        what = (f"{name}: untracked {', '.join(in_the_way)} in {where} stand where the patch "
+                f"writes, so git applied nothing of it. Move them out of {where} (they are "
+                "not the patch's: do not `git add` them)")
+    elif deleted:
+        what = (f"{name}: " + "; ".join(f"upstream deleted {p}" for p in deleted)
+                + f" in vLLM {version}, and {patch} changes it: drop the patch ({skip}), or "
+                f"re-home its change where the code went and `git -C {where} rm` the file "
+                "(resolving it as a conflict would bring the deleted file back)")
+    elif conflicted:
+        what = (f"{name} conflicts with vLLM {version} in: {', '.join(conflicted)}. Resolve "
+                f"them in {where}, then `git -C {where} add <files>` (or drop the patch: {skip})")
     else:
-        say(f"  [{applied}/{len(progress['patches'])}] resolved "
-            f"{progress['patches'][applied - 1]}")
-        progress["three_way"].append(progress["patches"][applied - 1])
-        progress["next"] = applied
-    write_state(tree, rebase=progress)
+        what = (f"{name} stopped again after its resolution: see `git -C {where} status`; "
+                f"if upstream has the patch, drop it ({skip})")
+    return StackError(
+        f"{what}; {_again(progress)} to go on. pin.toml and patches/ are unchanged and the "
+        f"old stack is branch {progress['old_branch']}; to give up: `make rebase-abandon` "
+        "(resolutions are recorded, a new `make rebase` reuses them)")
 
 
-def _undo_killed_am(layout: Layout, progress: dict) -> None:
-    """The last `make rebase` was killed inside its own `git am` (the state says
-    it was running): remove the locks it left, undo that am, apply the patch again."""
-    tree = layout.tree
+def _recover_killed_git(layout: Layout, progress: dict) -> None:
+    """The last run was killed inside its git (the state's mark says which):
+    that git's lock files are stale, as the project lock says no git of ours
+    runs now. What it did is undone back to branch rebase-<v> (a resolution a
+    killed `--continue` had not committed is kept as a branch), and rerere
+    replays what was recorded before the kill."""
+    tree, where, branch = layout.tree, rel(layout.tree, layout), _branch(progress)
     removed = remove_stale_git_locks(tree)
-    if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
-        git(tree, "am", "--quit")  # killed before its state was complete
-    # The killed am may have created some of the patch's files: remove them if
-    # untracked (only those: other untracked files may be the user's).
-    name = progress["patches"][progress["next"]]
-    if paths := touched_paths(name, (layout.patches_dir / name).read_bytes()):
-        git(tree, "clean", "-q", "-f", "--", *paths, env={"GIT_LITERAL_PATHSPECS": "1"})
-    progress["am_running"] = False
-    write_state(tree, rebase=progress)
-    say(f"  the last `make rebase` was killed while applying "
-        f"{progress['patches'][progress['next']]}; undid that"
-        + (f" (removed {', '.join(removed)})" if removed else "") + ", applying it again")
-
-
-def _apply_remaining(layout: Layout, progress: dict) -> None:
-    tree = layout.tree
-    names = progress["patches"]
-    while progress["next"] < len(names):
-        name = names[progress["next"]]
-        patch = layout.patches_dir / name
-        # Its bytes as applied now: an edit made during the rebase is taken in.
-        progress["synced"][name] = apply.patches_snapshot(layout).get(name)
-        write_state(tree, rebase={**progress, "am_running": True})
-        result = git(tree, *_AM_3WAY, str(patch.resolve()), env=TOOL_IDENTITY, check=False)
-        write_state(tree, rebase=progress)
-        output = result.stdout + result.stderr
-        if result.returncode != 0:
-            _stop(layout, progress, output)
-        if "3-way merge" in output or "three-way merge" in output:
-            progress["three_way"].append(name)
-        say(f"  [{progress['next'] + 1}/{len(names)}] applied {name}"
-            + (" (3-way merged: review it)" if name in progress["three_way"] else ""))
-        progress["next"] += 1
-        write_state(tree, rebase=progress)
-
-
-def _stop(layout: Layout, progress: dict, output: str) -> None:
-    tree, where = layout.tree, rel(layout.tree, layout)
-    progress["stopped_reflog"] = _reflog_length(tree)
-    write_state(tree, rebase=progress)
-    name = progress["patches"][progress["next"]]
-    version = progress["pin"]["version"]
-    conflicted = git(tree, "diff", "--name-only", "--diff-filter=U").stdout.split()
-    if "Patch is empty" in output or "patch is empty" in output.lower():
-        what = (f"{name} changes nothing on vLLM {version}: it is probably upstream "
-                f"already. Drop it with `git -C {where} am --skip`")
-    elif deleted := _deleted_upstream(layout, progress, output, conflicted):
-        what = "; ".join(f"upstream deleted {path}" for path in deleted) + (
-            f" in vLLM {version}, and {name} changes it: drop the patch (`git -C {where} am "
-            f"--skip`) or re-home its change where the code went (by hand, then `git -C "
-            f"{where} add` what you changed and `git -C {where} rm` the deleted file). "
-            f"Resolving it as a conflict would bring the deleted file back")
-    else:
-        files = conflicted or sorted(set(re.findall(r"(?:patch failed|conflict in) ?:? ?([^\s:]+)",
-                                                    output, re.I)))
-        what = (f"{name} conflicts with vLLM {version} in: {', '.join(files) or '(see below)'}"
-                f"\n{apply.git_advice_removed(output)}\nResolve the files in {where}, then "
-                f"`git -C {where} add <files>`")
-    raise StackError(
-        f"{what}; then run `make rebase VLLM_VERSION={version}` again to go on.\n"
-        f"Nothing is lost: pin.toml and patches/ are unchanged, the old stack is "
-        f"branch {progress['old_branch']} in {where}. To give up: `make rebase-abandon` "
-        f"(it keeps what this rebase did as a branch).")
+    kept = _go_back(layout, progress, branch, keep=progress["git"] == "--continue")
+    _save(layout, progress, git=None)
+    say(f"the last `make rebase` was killed inside git; undid what it half did in {where}"
+        + (f" (removed {', '.join(removed)})" if removed else "")
+        + (f", its work tree kept as branch {kept}" if kept else "")
+        + f": going on from branch {branch}")
 
 
 def abandon(layout: Layout) -> None:
-    """`make rebase-abandon`: give up the rebase in progress, losing nothing.
-
-    build/vllm goes back to branch `stack` on the old release (pin.toml and
-    patches/ were never changed). What the rebase did is kept as branch
-    `abandoned-rebase-<version>`: the patches it put on the new release and,
-    as its last commit, the unfinished resolution of the patch it stopped at.
-    """
+    """`make rebase-abandon`: back to branch `stack`, losing nothing. What the
+    rebase did is kept as branch `abandoned-rebase-<version>` (a begun resolution
+    as its last commit); recorded resolutions stay, for the next rebase."""
     tree, where = layout.tree, rel(layout.tree, layout)
-    if not is_stack_repo(tree) or not (progress := read_state(tree).get("rebase")):
+    if (version := rebase_in_progress(tree)) is None:
         raise StackError(f"no rebase is in progress in {where}: nothing to abandon")
-    version = progress["pin"]["version"]
-    remove_stale_git_locks(tree)
-    kept = _keep_rebase_work(layout, progress)
-    if am_in_progress(tree) and git(tree, "am", "--abort", check=False).returncode != 0:
-        git(tree, "am", "--quit")  # a killed am whose state was incomplete
-    git(tree, "checkout", "-q", "-f", BRANCH)
-    _remove_untracked_patch_files(layout, progress)
-    if git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{rebase_branch(version)}",
-           check=False).returncode == 0:
-        git(tree, "branch", "-q", "-D", rebase_branch(version))
+    progress = read_state(tree).get("rebase")
+    progress = {**(progress if isinstance(progress, dict) else {}), "version": version}
+    if isinstance(progress.get("finishing"), dict):
+        raise StackError(f"the rebase to vLLM {version} is being written into the project: "
+                         f"complete it with `make rebase VLLM_VERSION={version}`")
+    if progress.get("git"):
+        remove_stale_git_locks(tree)  # our own git, killed
+    if not _unmerged(tree):  # every conflict resolved and added: the next rebase reuses it
+        git(tree, "rerere", check=False)
+    kept = _go_back(layout, progress, BRANCH, keep=True, mark="abandon")
+    git(tree, "branch", "-q", "-D", _branch(progress), check=False)  # if there is one
     write_state(tree, rebase=None, status="applied")
     say(f"abandoned the rebase to vLLM {version}: {where} is back on branch {BRANCH} "
         f"(pin.toml and patches/ unchanged)"
         + (f"; what the rebase did is kept as branch {kept}" if kept else ""))
 
 
+def _go_back(layout: Layout, progress: dict, target: str, keep: bool,
+             mark: str | None = None) -> str | None:
+    """Give git's rebase up and check `target` out by force. The untracked files
+    left are removed where they hold what git wrote (a blob of HEAD or of the
+    release at their path); any other is the user's, and a forced checkout would
+    overwrite it where `target` has a file: refused first. With `keep`, what the
+    rebase did is kept as a branch: its name is returned."""
+    tree, where = layout.tree, rel(layout.tree, layout)
+    release = progress.get("release")
+    revs = [head(tree)] + ([release] if isinstance(release, str) else [])
+    entries = [e.split("\t", 1) for rev in revs
+               for e in git(tree, "ls-tree", "-r", "-z", rev).stdout.split("\0")[:-1]]
+    wrote = {(meta.split()[2], path) for meta, path in entries}  # (blob, path)
+    untracked = git(tree, "ls-files", "--others", "-z").stdout.split("\0")[:-1]  # ignored too
+    blobs = git(tree, "hash-object", "--no-filters", "--stdin-paths", input="".join(
+        f"{p}\n" for p in untracked)).stdout.split() if untracked else []
+    ours = {p for p, blob in zip(untracked, blobs) if (blob, p) in wrote}
+    at_target = git(tree, "ls-tree", "-r", "-z", "--name-only", target).stdout.split("\0")
+    if yours := sorted(set(untracked).intersection(at_target) - ours):
+        raise StackError(f"going back to branch {target} in {where} would overwrite "
+                         f"untracked files of yours: {', '.join(yours[:5])}. Move them "
+                         f"out of {where}, then run the same command again")
+    if mark:
+        _save(layout, progress, git=mark)  # a kill from here: the same command finishes it
+    kept = _keep_rebase_work(layout, progress) if keep else None
+    if (tree / _REBASE_DIR).is_dir() and git(tree, "rebase", "--abort",
+                                             check=False).returncode != 0:
+        git(tree, "rebase", "--quit")  # killed before its state was complete
+    git(tree, "checkout", "-q", "-f", target)
+    for path in ours.intersection(git(tree, "ls-files", "--others", "-z").stdout.split("\0")):
+        (tree / path).unlink()
+    return kept
+
+
 def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
     """Point a new branch at the rebase's commits, plus a commit of the work tree
     when it holds changes (a resolution begun); return its name."""
-    tree, version = layout.tree, progress["pin"]["version"]
-    tip = head(tree)
-    fd, index = tempfile.mkstemp(prefix="k3-abandon-index-")
-    os.close(fd)
-    try:
-        shutil.copyfile(tree / ".git" / "index", index)
-        env = {"GIT_INDEX_FILE": index}
-        git(tree, "add", "-A", ".", env=env)
-        work = git(tree, "write-tree", env=env).stdout.strip()
-    finally:
-        os.unlink(index)
+    tree, tip = layout.tree, head(layout.tree)
+    index = tree / ".git" / "k3-keep-index"  # the work tree as a tree, via a copy of the index
+    shutil.copyfile(tree / ".git" / "index", index)
+    git(tree, "add", "-A", ".", env={"GIT_INDEX_FILE": str(index)})
+    work = git(tree, "write-tree", env={"GIT_INDEX_FILE": str(index)}).stdout.strip()
+    index.unlink()
     if work != git(tree, "rev-parse", f"{tip}^{{tree}}").stdout.strip():
-        stopped_at = progress["patches"][progress["next"]] \
-            if progress["next"] < len(progress["patches"]) else "the last patch"
         # The tool's identity as author too: a fresh machine may have none.
         identity = {**TOOL_IDENTITY, "GIT_AUTHOR_NAME": TOOL_IDENTITY["GIT_COMMITTER_NAME"],
                     "GIT_AUTHOR_EMAIL": TOOL_IDENTITY["GIT_COMMITTER_EMAIL"]}
         tip = git(tree, "commit-tree", work, "-p", tip, "-F", "-", env=identity,
-                  input=f"Unfinished resolution of {stopped_at} (rebase abandoned)\n"
-                  ).stdout.strip()
-    if tip == git(tree, "rev-parse", progress["pin"]["base_tag"]).stdout.strip():
+                  input=f"Unfinished resolution of {_stopped_patch(tree)} (rebase "
+                  "abandoned)\n").stdout.strip()
+    if tip == progress.get("release") or git(tree, "merge-base", "--is-ancestor", tip, BRANCH,
+                                             check=False).returncode == 0:
         return None  # nothing was done on the new release
-    name, n = f"abandoned-rebase-{version}", 1
-    while git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{name}",
-              check=False).returncode == 0:
+    name, n = f"abandoned-rebase-{progress['version']}", 1
+    while _has_ref(tree, f"refs/heads/{name}"):
         n += 1
-        name = f"abandoned-rebase-{version}-{n}"
+        name = f"abandoned-rebase-{progress['version']}-{n}"
     git(tree, "branch", name, tip)
     return name
 
 
-def _remove_untracked_patch_files(layout: Layout, progress: dict) -> None:
-    """Files the stopped `git am` created that `stack` does not track (they are
-    kept in the abandoned branch): only the patch's own paths."""
-    if progress["next"] >= len(progress["patches"]):
-        return
-    name = progress["patches"][progress["next"]]
-    patch = layout.patches_dir / name
-    if patch.is_file() and (paths := touched_paths(name, patch.read_bytes())):
-        git(layout.tree, "clean", "-q", "-f", "--", *paths,
-            env={"GIT_LITERAL_PATHSPECS": "1"})
+def _project_digests(layout: Layout) -> dict[str, str]:
+    """sha256 of pin.toml and of every file under patches/ and vllm_overlay/ (a
+    marker for each of them that is no file: a link, a folder)."""
+    tops = [layout.root / name for name in _PROJECT_FILES]
+    paths = tops + [Path(d) / f for top in tops for d, _, files in os.walk(top) for f in files]
+    return {p.relative_to(layout.root).as_posix(): digest for p in paths
+            if (digest := apply.file_sha256(p))}
 
 
-def _deleted_upstream(layout: Layout, progress: dict, output: str,
-                      conflicted: list[str]) -> list[str]:
-    """The files the stopped patch changes that the old release had and the new
-    one lacks (a modify/delete conflict, or "does not exist in index")."""
-    tree = layout.tree
-    candidates = set(conflicted) | set(re.findall(r"error: ([^:\s]+): does not exist in index",
-                                                  output))
-    old_base = read_state(tree)["base_tag"]
-
-    def in_tree(rev: str, path: str) -> bool:
-        return git(tree, "cat-file", "-e", f"{rev}:{path}", check=False).returncode == 0
-
-    return sorted(path for path in candidates
-                  if in_tree(old_base, path) and not in_tree(progress["pin"]["base_tag"], path))
+def _pin(progress: dict) -> Pin:
+    d = progress["pin"]
+    return Pin(d["version"], d["commit"], d["base_tag"], Artifact(**d["sdist"]),
+               Artifact(**d["wheel"]))
 
 
 def _finish(layout: Layout, progress: dict) -> None:
-    tree = layout.tree
-    new = _pin_from_dict(progress["pin"])
-    # Before anything changes: the export at the end must not overwrite patches/
-    # edited since the rebase read them.
-    apply.refuse_overwriting_edits(layout, apply.rendered_stack(layout, new.base_tag),
-                                   synced=progress.get("synced"))
-    git(tree, "checkout", "-q", "-B", BRANCH, head(tree))
-    git(tree, "branch", "-q", "-D", rebase_branch(new.version))
-    write_atomically(layout.pin_file, render_pin(new).encode())
-    write_state(tree, base_tag=new.base_tag, base_sdist_sha256=new.sdist.sha256,
-                base_commit=git(tree, "rev-parse", new.base_tag).stdout.strip(),
-                rebase=None, status="applied", synced=progress.get("synced"))
-    apply.export_patches(layout)
-    merged = progress["three_way"]
-    say(f"rebased onto vLLM {new.version}; pin.toml updated"
-        + (f"; review the 3-way merged patches: {', '.join(merged)}" if merged else "")
-        + ". Next: `make test`, then commit pin.toml, patches/ and vllm_overlay/.")
+    tree, where = layout.tree, rel(layout.tree, layout)
+    if dirty := dirty_files(tree):
+        raise StackError(f"{where} has uncommitted changes ({', '.join(dirty[:5])}): commit "
+                         f"them (`git -C {where} commit --fixup=<patch's commit>` folds them "
+                         f"into it) or stash them, {_again(progress)}")
+    if git(tree, "rev-list", "--merges", f"{progress['release']}..HEAD").stdout.strip():
+        raise StackError(f"{where} has merge commits on {_branch(progress)}; the stack "
+                         "must be linear")
+    if edited := set(_project_digests(layout).items()) ^ set(progress["project"].items()):
+        raise StackError(
+            "changed since `make rebase` began: " + ", ".join(sorted({p for p, _ in edited}))
+            + ". The finish replaces them: put them back (`git checkout -- <file>` in the "
+            f"project), or give the rebase up with `make rebase-abandon`; {_again(progress)}")
+    rendered = apply.rendered_stack(layout, progress["release"])
+    staging = layout.build_dir / "rebase-finish"  # beside what it replaces: a rename moves it
+    if staging.exists():
+        discard(staging)  # from a finish killed before its journal
+    _stage(layout, progress, rendered, staging / "new")
+    # The journal: from here the next run completes the finish.
+    _save(layout, progress, finishing={"head": head(tree), "patches": list(rendered)})
+    _complete_finish(layout, progress)
 
 
-def _pin_dict(pin: Pin) -> dict:
-    return {"version": pin.version, "commit": pin.commit, "base_tag": pin.base_tag,
-            "sdist": pin.sdist.__dict__, "wheel": pin.wheel.__dict__}
+def _stage(layout: Layout, progress: dict, rendered: dict[str, bytes], new: Path) -> None:
+    """The new pin.toml, patches/ and vllm_overlay/, complete, under `new`."""
+    pin, patches = _pin(progress), new / "patches"
+    new.mkdir(parents=True)
+    (new / "pin.toml").write_text(render_pin(pin))
+    shutil.copytree(layout.patches_dir, patches, symlinks=True)  # its other files stay
+    old_names = set(series_names(layout))
+    for name, content in rendered.items():
+        (patches / name).write_bytes(content)
+    (patches / "series").write_bytes(series_text(list(rendered)))
+    for name in sorted(dropped := old_names - rendered.keys()):
+        (patches / name).unlink(missing_ok=True)
+        say(f"  dropped {name}: git's rebase left nothing of it (upstream has it, or it "
+            "was skipped)")
+    for note in apply.notes_to_remove(layout, dropped, added=rendered.keys() - old_names):
+        (patches / note).unlink()
+        say(f"removed patches/{note}: its patch left the series (the project's git has it)")
+    files = overlay.render(layout.tree, pin, progress["release"], "HEAD", list(rendered))
+    for path, content in files.items():
+        (new / "vllm_overlay" / path).parent.mkdir(parents=True, exist_ok=True)
+        (new / "vllm_overlay" / path).write_bytes(content)
 
 
-def _pin_from_dict(d: dict) -> Pin:
-    return Pin(d["version"], d["commit"], d["base_tag"], Artifact(**d["sdist"]),
-               Artifact(**d["wheel"]))
+def _complete_finish(layout: Layout, progress: dict) -> None:
+    """Move the staged files into place, then make the rebased branch `stack`.
+    Each step can be done again: a killed finish is completed by the next run."""
+    tree, journal, staging = layout.tree, progress["finishing"], layout.build_dir / "rebase-finish"
+    for name in _PROJECT_FILES:
+        new, current, old = staging / "new" / name, layout.root / name, staging / "old" / name
+        if not os.path.lexists(new):
+            continue  # moved into place already
+        if os.path.lexists(current) and not os.path.lexists(old):
+            old.parent.mkdir(exist_ok=True)
+            os.replace(current, old)
+        os.replace(new, current)
+    git(tree, "checkout", "-q", "-B", BRANCH, journal["head"])
+    git(tree, "branch", "-q", "-D", _branch(progress), check=False)  # gone after a kill
+    if staging.exists():
+        discard(staging)  # the old pin.toml, patches/ and vllm_overlay/
+    pin = _pin(progress)
+    write_state(tree, base_tag=pin.base_tag, base_sdist_sha256=pin.sdist.sha256,
+                base_commit=progress["release"], rebase=None, status="applied",
+                applied_head=journal["head"], applied_digest=series_digest(read_series(layout)),
+                synced=apply.patches_snapshot(layout), exporting=None)
+    # A patch whose files upstream changed between the releases was really merged.
+    changed = set(git(tree, "diff", "--name-only", "-z", progress["old_base"],
+                      progress["release"]).stdout.split("\0")[:-1])
+    review = [apply.patch_name(_subject(tree, c)) for c in commits_since(tree, progress["release"])
+              if changed & set(git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r",
+                                   "-z", c).stdout.split("\0"))]
+    say(f"rebased onto vLLM {pin.version}; pin.toml, patches/ ({len(journal['patches'])} "
+        "patch(es)) and vllm_overlay/ updated"
+        + (f"; upstream changed files these patches change, review them: {', '.join(review)}"
+           if review else "")
+        + ". Next: `make lock`, `make test`, then commit pin.toml, requirements/, patches/ "
+        "and vllm_overlay/.")

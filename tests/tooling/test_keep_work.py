@@ -206,17 +206,20 @@ def test_a_killed_git_am_is_recovered(project, command):
         assert project.patch_bytes() == patches
 
 
-def test_a_killed_rebase_git_am_is_recovered(project, index):
+def test_a_killed_rebase_git_is_recovered(project, index):
     project.ok("apply")
     project.commit("[ROCm] Add big", {"vllm/big.txt": "x\n"})
     project.ok("patches")
     index.add(*project.release(V1))
     index.add(*project.release(V2, release_files(V2, "g7654321"), commit="g7654321"))
     project.index_url = index.url
-    _kill_inside_git_am(project, "rebase", V2)
+    project.kill_git_writing("vllm/big.txt")
+    project.killed("rebase", V2)  # inside `git rebase`, while it holds index.lock
+    assert (project.tree / ".git" / "index.lock").exists()
+    assert (project.tree / ".git" / "rebase-merge").exists()
     result = project.run("rebase", V2)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "killed while applying rocm-add-big.patch" in result.stdout
+    assert "the last `make rebase` was killed inside git" in result.stdout
     assert f"rebased onto vLLM {V2}" in result.stdout
     assert not (project.tree / ".git" / "index.lock").exists()
     assert project.git("log", "--format=%s", f"vllm-{V2}..HEAD") == "[ROCm] Add big"

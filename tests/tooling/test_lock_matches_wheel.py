@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -114,6 +115,7 @@ def test_make_lock_resolves_the_substitute_and_says_so_in_the_lock(tmp_path, mon
             {"metadata": {"name": "flashinfer-python", "version": "0.7.4"},
              "download_info": {"archive_info": {"hashes": {"sha256": "ab" * 32}}}}]}
         Path(argv[argv.index("--report") + 1]).write_text(json.dumps(report))
+        return subprocess.CompletedProcess(argv, 0, "", "")
 
     monkeypatch.setattr(lock, "run", pip)
     monkeypatch.setattr(lock, "ensure_artifact", lambda *_args: wheel)
@@ -137,3 +139,27 @@ def test_pin_toml_keeps_its_substitutes_and_refuses_one_for_another_package(tmp_
         load_pin(path)
     assert "lock.substitute[0] replaces 'flashinfer-python==0.7.3' with " \
         "'flashinfer-cubin==0.7.4', another package" in str(err.value)
+
+
+def test_a_requirement_the_index_cannot_serve_is_one_line_naming_the_substitute(project, index):
+    """vLLM 0.34.0's wheel pins a flashinfer-python the index lacks. Before: pip's
+    hundred lines of output, and no word of pin.toml's [[lock.substitute]]."""
+    wheel = make_wheel(project.releases / "needs", V1, ["flashinfer-python==0.7.3"])
+    pin = pin_for(V1, make_sdist(project.releases / "needs", V1, release_files(V1)), wheel)
+    (project.root / "pin.toml").write_text(render_pin(pin))
+    shutil.copyfile(wheel, project.downloads / wheel.name)
+    (project.root / "requirements").mkdir()
+    for name in ("venv", "lint"):
+        (project.root / "requirements" / f"{name}.in").write_text("")
+    project.index_url = index.url  # serves vllm only: pip finds no flashinfer-python
+    result = project.run("lock", timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(
+        "error: the package index cannot serve flashinfer-python==0.7.3 (it serves: none)")
+    assert (f"which {wheel.name} requires: add a [[lock.substitute]] entry to pin.toml with "
+            'requirement = "flashinfer-python==0.7.3", use = ') in result.stderr
+    log = project.root / "build" / "lock-venv-pip.log"
+    assert f"pip's output is in {log.relative_to(project.root)}" in result.stderr
+    assert "No matching distribution found for flashinfer-python==0.7.3" in log.read_text()
+    assert not (project.root / "requirements" / "venv.lock").exists()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from scripts.stack.pin import Pin, render_pin
 from tests.tooling.conftest import (
     FOO_V1,
+    RATIONALE,
     PATCH_1,
     PATCH_2,
     SUBJECT_1,
@@ -49,7 +52,7 @@ def test_rebase_with_a_3way_merge_succeeds(stacked, upstream, index):
     old_head = stacked.head()
     old_patch_2 = (stacked.patches / PATCH_2).read_bytes()
     result = stacked.ok("rebase", V2)
-    assert f"rebased onto vLLM {V2}; pin.toml updated" in result.stdout
+    assert f"rebased onto vLLM {V2}; pin.toml, patches/" in result.stdout
     # pin.toml: the new release with the index's sizes and hashes, the upstream commit.
     expected = Pin(V2, COMMIT_V2, f"vllm-{V2}", artifact_of(sdist), artifact_of(wheel))
     assert (stacked.root / "pin.toml").read_text() == render_pin(expected)
@@ -80,11 +83,11 @@ def test_rebase_with_a_3way_merge_succeeds(stacked, upstream, index):
     assert "2 patch(es) already applied" in stacked.ok("apply").stdout
 
 
-def test_rebase_names_the_3way_merged_patch_for_review(stacked, upstream):
+def test_rebase_names_the_patches_upstream_changed_under(stacked, upstream):
     upstream(FOO_V2_MERGEABLE)
     result = stacked.ok("rebase", V2)
-    assert f"applied {PATCH_1} (3-way merged: review it)" in result.stdout
-    assert f"review the 3-way merged patches: {PATCH_1}" in result.stdout
+    assert f"upstream changed files these patches change, review them: {PATCH_1}" \
+        in result.stdout
 
 
 def test_rebase_stops_at_a_conflict_then_finishes_after_resolution(stacked, upstream):
@@ -99,11 +102,11 @@ def test_rebase_stops_at_a_conflict_then_finishes_after_resolution(stacked, upst
     assert (stacked.root / "pin.toml").read_bytes() == pin_before
     assert stacked.patch_bytes() == patches_before
     assert stacked.git("rev-parse", f"stack-{V1}")  # the old stack is kept
-    assert (stacked.tree / ".git" / "rebase-apply").exists()
+    assert (stacked.tree / ".git" / "rebase-merge").exists()
 
     # While the rebase is stopped, apply refuses and another version is refused.
     blocked = stacked.run("apply")
-    assert blocked.returncode == 1 and "git am` is in progress" in blocked.stderr
+    assert blocked.returncode == 1 and "make rebase-abandon" in blocked.stderr
     other = stacked.run("rebase", "0.3.0")
     assert other.returncode == 1
     assert f"a rebase to vLLM {V2} is in progress" in other.stderr
@@ -113,8 +116,7 @@ def test_rebase_stops_at_a_conflict_then_finishes_after_resolution(stacked, upst
     (stacked.tree / "vllm/models/foo.py").write_text(resolved)
     stacked.git("add", "vllm/models/foo.py")
     result = stacked.ok("rebase", V2)
-    assert f"resolved {PATCH_1}" in result.stdout
-    assert f"rebased onto vLLM {V2}; pin.toml updated" in result.stdout
+    assert f"rebased onto vLLM {V2}; pin.toml, patches/" in result.stdout
     expected = Pin(V2, COMMIT_V2, f"vllm-{V2}", artifact_of(sdist), artifact_of(wheel))
     assert (stacked.root / "pin.toml").read_text() == render_pin(expected)
     assert stacked.series() == [PATCH_1, PATCH_2]
@@ -123,7 +125,7 @@ def test_rebase_stops_at_a_conflict_then_finishes_after_resolution(stacked, upst
     assert (stacked.patches / PATCH_2).read_bytes() == patches_before[PATCH_2]
     assert (stacked.tree / "vllm/models/foo.py").read_text() == resolved
     assert subjects(stacked, f"vllm-{V2}") == [SUBJECT_1, SUBJECT_2]
-    assert not (stacked.tree / ".git" / "rebase-apply").exists()
+    assert not (stacked.tree / ".git" / "rebase-merge").exists()
     assert stacked.state().get("rebase") is None
     assert "check OK: 2 patch(es)" in stacked.ok("check").stdout
 
@@ -159,20 +161,18 @@ def test_rebase_refuses_unexported_work(stacked, upstream):
 
 
 def test_only_an_explicit_skip_drops_a_patch(stacked, upstream):
-    """`git am --abort` (which `make apply` suggests) undoes the stop; the rebase
-    applies the patch again. Only `git am --skip` drops it."""
+    """`git rebase --abort` puts branch rebase-<v> back on the old stack; the next
+    `make rebase` applies the patch again. Only `git rebase --skip` drops it."""
     upstream(FOO_V2_CONFLICT)
     for _ in range(2):
         result = stacked.run("rebase", V2)
         assert result.returncode == 1 and f"{PATCH_1} conflicts" in result.stderr
-        stacked.git("am", "--abort")
+        stacked.git("rebase", "--abort")
     result = stacked.run("rebase", V2)
-    assert result.returncode == 1, result.stdout
-    assert f"the `git am` of {PATCH_1} was undone" in result.stdout
-    assert "dropped" not in result.stdout
-    stacked.git("am", "--skip")
+    assert result.returncode == 1 and f"{PATCH_1} conflicts" in result.stderr
+    stacked.git("rebase", "--skip")
     result = stacked.ok("rebase", V2)
-    assert f"dropped {PATCH_1} (skipped with `git am --skip`" in result.stdout
+    assert f"dropped {PATCH_1}: git's rebase left nothing of it" in result.stdout
     assert stacked.series() == [PATCH_2]
     assert subjects(stacked, f"vllm-{V2}") == [SUBJECT_2]
 
@@ -197,7 +197,7 @@ def test_a_patch_whose_file_upstream_deleted_is_not_called_a_conflict(stacked,
         "drop the patch" in result.stderr
     assert "conflicts with" not in result.stderr
     # Dropping it, as the message says, finishes the rebase.
-    stacked.git("am", "--skip")
+    stacked.git("rebase", "--skip")
     result = stacked.ok("rebase", V2)
     assert f"dropped {PATCH_1}" in result.stdout
     assert stacked.series() == [PATCH_2]
@@ -212,7 +212,7 @@ def test_starting_again_never_resets_a_branch_holding_resolved_patches(stacked, 
     (stacked.tree / "vllm/models/foo.py").write_text(
         FOO_V2_CONFLICT.replace("BLOCK = 32", "BLOCK = 64"))
     stacked.git("add", "vllm/models/foo.py")
-    stacked.git("am", "--continue")
+    stacked.git("-c", "core.editor=:", "rebase", "--continue")
     resolved = stacked.git("rev-parse", f"rebase-{V2}")
     stacked.git("checkout", "-q", "stack")
     state = stacked.state()
@@ -221,7 +221,7 @@ def test_starting_again_never_resets_a_branch_holding_resolved_patches(stacked, 
     stacked.state_file.write_text(__import__("json").dumps(state))
     result = stacked.run("rebase", V2)
     assert result.returncode == 1
-    assert f"branch rebase-{V2} in build/vllm holds 1 commit(s) of an earlier rebase" \
+    assert f"branch rebase-{V2} in build/vllm holds 2 commit(s) of an earlier rebase" \
         in result.stderr
     assert stacked.git("rev-parse", f"rebase-{V2}") == resolved
     assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack"
@@ -232,7 +232,7 @@ def test_abandon_goes_back_to_the_old_stack_and_keeps_the_work_as_a_branch(stack
     old_head = stacked.head()
     pin, patches = (stacked.root / "pin.toml").read_bytes(), stacked.patch_bytes()
     result = stacked.run("rebase", V2)
-    assert "To give up: `make rebase-abandon`" in result.stderr
+    assert "to give up: `make rebase-abandon`" in result.stderr
     half = FOO_V2_CONFLICT.replace("BLOCK = 32", "BLOCK = 48  # half resolved")
     (stacked.tree / "vllm/models/foo.py").write_text(half)
     stacked.no_git_identity()  # as on a fresh machine (CI)
@@ -243,7 +243,7 @@ def test_abandon_goes_back_to_the_old_stack_and_keeps_the_work_as_a_branch(stack
     # Back where it was, nothing changed in the project.
     assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack"
     assert stacked.head() == old_head
-    assert not (stacked.tree / ".git" / "rebase-apply").exists()
+    assert not (stacked.tree / ".git" / "rebase-merge").exists()
     assert stacked.state().get("rebase") is None
     assert (stacked.root / "pin.toml").read_bytes() == pin
     assert stacked.patch_bytes() == patches
@@ -276,7 +276,7 @@ def test_a_dropped_patch_takes_its_committed_notes_along(stacked, upstream_witho
     stacked.git("add", "patches", cwd=stacked.root)
     stacked.git("commit", "-q", "-m", "project", cwd=stacked.root)
     assert stacked.run("rebase", V2).returncode == 1
-    stacked.git("am", "--skip")
+    stacked.git("rebase", "--skip")
     result = stacked.ok("rebase", V2)
     assert f"removed patches/notes/{stem_1}.md: its patch left the series" in result.stdout
     assert sorted(p.name for p in notes.iterdir()) == [f"{stem_2}.md"]
@@ -290,7 +290,7 @@ def test_the_notes_of_a_dropped_patch_are_kept_when_not_committed_as_they_are(
     note = notes / f"{PATCH_1.removesuffix('.patch')}.md"
     note.write_text("# written today, never committed\n")
     assert stacked.run("rebase", V2).returncode == 1
-    stacked.git("am", "--skip")
+    stacked.git("rebase", "--skip")
     result = stacked.ok("rebase", V2)
     assert f"kept patches/notes/{note.name}: its patch left the series" in result.stderr
     assert note.read_text() == "# written today, never committed\n"
@@ -312,3 +312,226 @@ def test_a_renamed_patch_keeps_its_notes(stacked):
     assert f"kept patches/notes/{note.name}: its patch left the series while " \
         "rocm-add-a-new-model.patch joined it" in result.stderr
     assert note.read_text() == "# notes of patch 2\n"
+
+
+# --- what a maintainer does during a stop, and kills: the rebase neither lies nor loses ---
+
+
+RESOLVED = FOO_V2_CONFLICT.replace("BLOCK = 32", "BLOCK = 64")
+
+
+def resolve_patch_1(stacked) -> None:
+    (stacked.tree / "vllm/models/foo.py").write_text(RESOLVED)
+    stacked.git("add", "vllm/models/foo.py")
+
+
+def abort_what_git_holds(stacked) -> None:
+    """What the tooling's advice at a stop used to lead to: abort git's operation."""
+    for folder, command in (("rebase-merge", "rebase"), ("rebase-apply", "am")):
+        if (stacked.tree / ".git" / folder).exists():
+            stacked.git(command, "--abort")
+
+
+def test_a_give_up_and_a_restart_reuse_the_resolution(stacked, upstream):
+    """Before: the restart stopped at the same conflict; the resolution was lost."""
+    upstream(FOO_V2_CONFLICT)
+    assert stacked.run("rebase", V2).returncode == 1
+    resolve_patch_1(stacked)
+    stacked.ok("rebase", "--abandon")
+    result = stacked.ok("rebase", V2)
+    assert "reused the recorded resolution" in result.stdout
+    assert "-BLOCK = 32\n+BLOCK = 64\n" in (stacked.patches / PATCH_1).read_text()
+    assert stacked.series() == [PATCH_1, PATCH_2]
+
+
+def test_a_resolved_patch_keeps_the_headings_of_its_message(stacked, upstream):
+    """Before: git took "## Purpose" for a comment when it committed a resolution."""
+    message = stacked.git("log", "-1", "--format=%B", "HEAD~1")
+    stacked.git("checkout", "-q", "HEAD~1")
+    stacked.git("commit", "-q", "--amend", "-F", "-", input=message.replace(
+        RATIONALE, "## Purpose\n\n" + RATIONALE + "\n\n## Test Plan\n\nrun it"))
+    stacked.git("cherry-pick", "stack")
+    stacked.git("branch", "-f", "stack", "HEAD")
+    stacked.git("checkout", "-q", "stack")
+    stacked.ok("patches")
+    upstream(FOO_V2_CONFLICT)
+    assert stacked.run("rebase", V2).returncode == 1
+    resolve_patch_1(stacked)
+    stacked.ok("rebase", V2)
+    text = (stacked.patches / PATCH_1).read_text()
+    assert "\n## Purpose\n" in text and "\n## Test Plan\n" in text
+    assert "Conflicts:" not in text
+
+
+def test_a_commit_made_during_a_stop_drops_no_patch(stacked, upstream):
+    """Before: the resolution committed by hand was counted as the next patch,
+    which was never applied; a `--fixup` made then became a patch of its own."""
+    upstream(FOO_V2_CONFLICT)
+    old_patch_2 = (stacked.patches / PATCH_2).read_bytes()
+    assert stacked.run("rebase", V2).returncode == 1
+    resolve_patch_1(stacked)
+    message = stacked.git("log", "-1", "--format=%B", f"stack-{V1}~1")
+    stacked.git("commit", "-q", "-F", "-", input=message)  # the resolution, by hand
+    (stacked.tree / "vllm/models/foo.py").write_text(RESOLVED + "# reviewed\n")
+    stacked.git("commit", "-q", "-a", "--fixup=HEAD")  # the habit the docs teach
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 0, result.stderr
+    assert stacked.series() == [PATCH_1, PATCH_2]
+    assert (stacked.patches / PATCH_2).read_bytes() == old_patch_2
+    assert "+# reviewed\n" in (stacked.patches / PATCH_1).read_text()
+    assert subjects(stacked, f"vllm-{V2}") == [SUBJECT_1, SUBJECT_2]
+
+
+def test_a_commit_that_takes_a_stopped_patch_along_is_refused(stacked, upstream):
+    """git counts any commit made at a conflict stop as the patch itself: a
+    `--fixup` that took the staged resolution would fold the patch away."""
+    upstream(FOO_V2_CONFLICT)
+    assert stacked.run("rebase", V2).returncode == 1
+    resolve_patch_1(stacked)
+    stacked.git("commit", "-q", "--fixup=HEAD")
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1
+    assert "took that patch's resolution along" in result.stderr
+    assert "git -C build/vllm reset --soft" in result.stderr
+    stacked.git("reset", "-q", "--soft", "HEAD~1")
+    stacked.ok("rebase", V2)
+    assert stacked.series() == [PATCH_1, PATCH_2]
+
+
+def test_an_untracked_file_in_the_way_is_named_and_never_committed(stacked, upstream):
+    """Before: git aborted the patch's `am`, the advice was "resolve, git add", and
+    following it committed the user's file as the patch."""
+    upstream(FOO_V2_CONFLICT)
+    old_patch_2 = (stacked.patches / PATCH_2).read_bytes()
+    assert stacked.run("rebase", V2).returncode == 1
+    resolve_patch_1(stacked)
+    mine = stacked.tree / "vllm/models/new.py"
+    mine.write_text("# my own scratch file\n")
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1
+    assert "untracked vllm/models/new.py in build/vllm stand where the patch writes" \
+        in result.stderr
+    assert "do not `git add` them" in result.stderr
+    stacked.git("add", "vllm/models/new.py")  # what the old advice said
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1, result.stdout
+    assert "would be committed as that patch" in result.stderr
+    stacked.git("restore", "--staged", "vllm/models/new.py")
+    mine.rename(stacked.root / "new.py.mine")
+    stacked.ok("rebase", V2)
+    assert (stacked.root / "new.py.mine").read_text() == "# my own scratch file\n"
+    assert (stacked.patches / PATCH_2).read_bytes() == old_patch_2
+
+
+def test_a_resume_from_another_branch_is_refused(stacked, upstream):
+    """Before: `git am --abort`, `git checkout stack` (make apply's advice), and the
+    rerun "finished" on the old stack, writing the new release into pin.toml."""
+    upstream(FOO_V2_CONFLICT)
+    pin = (stacked.root / "pin.toml").read_bytes()
+    assert stacked.run("rebase", V2).returncode == 1
+    abort_what_git_holds(stacked)
+    stacked.git("checkout", "-q", "stack")
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1
+    assert f"build/vllm is on stack, not on branch rebase-{V2}" in result.stderr
+    assert f"git -C build/vllm checkout rebase-{V2}" in result.stderr
+    assert (stacked.root / "pin.toml").read_bytes() == pin
+    stacked.git("checkout", "-q", f"rebase-{V2}")
+    assert stacked.run("rebase", V2).returncode == 1  # stops at the conflict again
+    resolve_patch_1(stacked)
+    stacked.ok("rebase", V2)
+    assert stacked.series() == [PATCH_1, PATCH_2]
+
+
+def test_an_edit_to_pin_toml_during_a_rebase_is_refused(stacked, upstream):
+    """Before: the finish overwrote it."""
+    upstream(FOO_V2_CONFLICT)
+    assert stacked.run("rebase", V2).returncode == 1
+    resolve_patch_1(stacked)
+    pin = stacked.root / "pin.toml"
+    edited = pin.read_text() + "# a note of mine\n"
+    pin.write_text(edited)
+    patches = stacked.patch_bytes()
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1
+    assert "changed since `make rebase` began: pin.toml" in result.stderr
+    assert pin.read_text() == edited and stacked.patch_bytes() == patches
+    pin.write_text(edited.removesuffix("# a note of mine\n"))
+    stacked.ok("rebase", V2)
+
+
+@pytest.mark.parametrize("command", ["overlay", "apply", "patches", "check", "clean"])
+def test_commands_that_write_wait_for_a_rebase(stacked, upstream, command):
+    """Before: `make overlay` wrote an overlay of the wrong release; the others
+    advised steps (`git am --abort`, `make patches`) that led to a false finish."""
+    upstream(FOO_V2_CONFLICT)
+    assert stacked.run("rebase", V2).returncode == 1
+    overlay = stacked.manifest()
+    result = stacked.run(command)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert f"finish it with `make rebase VLLM_VERSION={V2}`, or give it up with " \
+        "`make rebase-abandon`" in result.stderr
+    assert "git am" not in result.stderr
+    assert stacked.manifest() == overlay and stacked.tree.is_dir()
+
+
+def test_a_damaged_rebase_entry_is_one_line(stacked, upstream):
+    upstream(FOO_V2_CONFLICT)
+    assert stacked.run("rebase", V2).returncode == 1
+    state = stacked.state()
+    state["rebase"]["pin"] = "0.2.0"
+    stacked.state_file.write_text(__import__("json").dumps(state))
+    result = stacked.run("rebase", V2)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "its rebase entry is damaged; give the rebase up with `make rebase-abandon`" \
+        in result.stderr
+    stacked.ok("rebase", "--abandon")
+    assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack"
+
+
+# --- kills --------------------------------------------------------------------------
+
+
+def test_a_kill_during_the_switch_to_the_release_is_recovered(stacked, index):
+    """Before: a half-switched tree and index.lock; every next command advised
+    committing the half-switched files, and rebase-abandon saw no rebase."""
+    index.add(*stacked.release(V1))
+    files = release_files(V2, COMMIT_V2)
+    files["csrc/attention.cu"] = b"// kernel, 0.2.0\n"
+    index.add(*stacked.release(V2, files, commit=COMMIT_V2))
+    stacked.index_url = index.url
+    stacked.kill_git_writing("attention.cu")
+    stacked.killed("rebase", V2)
+    result = stacked.ok("rebase", V2)
+    assert "killed inside git" in result.stdout
+    assert stacked.series() == [PATCH_1, PATCH_2]
+    assert (stacked.tree / "csrc/attention.cu").read_text() == "// kernel, 0.2.0\n"
+    assert stacked.git("status", "--porcelain", "--untracked-files=all") == ""
+    assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack"
+
+
+def test_a_kill_at_any_file_step_of_a_rebase_is_recovered(stacked, upstream, tmp_path):
+    """SIGKILL at each rename the rebase makes (the state file, the finish's
+    moves, the branch deletion between them), then the same command again: the
+    same patches/ and pin.toml as a run that was never killed. Before: a kill
+    after the finish deleted its branch left a raw git error on every later run."""
+    upstream(FOO_V2_MERGEABLE)
+    saved = tmp_path / "saved"
+    shutil.copytree(stacked.root, saved, symlinks=True)
+    stacked.ok("rebase", V2)
+    clean = (stacked.patch_bytes(), (stacked.root / "pin.toml").read_bytes())
+    for n in range(1, 60):
+        shutil.rmtree(stacked.root)
+        shutil.copytree(saved, stacked.root, symlinks=True)
+        killed = stacked.run("rebase", V2, fault=f"SIGKILL os.rename {n}")
+        if killed.returncode == 0:
+            break  # fewer than n renames: every one was killed once
+        assert killed.returncode == -9, (n, killed.stderr)
+        again = stacked.run("rebase", V2)
+        assert again.returncode == 0, (n, again.stderr)
+        assert (stacked.patch_bytes(), (stacked.root / "pin.toml").read_bytes()) == clean, n
+        assert stacked.git("symbolic-ref", "--short", "HEAD") == "stack", n
+    else:
+        raise AssertionError("the rebase never ran to its end")
+    assert n > 5
