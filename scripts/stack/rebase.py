@@ -177,13 +177,16 @@ def pin_for(old: Pin, version: str) -> Pin:
             found = find_in_index(old.project, filename)
         except IndexUnreachable as e:
             raise index_needed(f"look up vLLM {version}'s files and their sha256", e)
-        if not (found.sha256 and found.size) or found.size > _MAX_GROWTH * old_art.size:
-            raise StackError(
-                f"the index lists {filename} with no size/sha256, or more than {_MAX_GROWTH} "
-                f"times larger ({(found.size or 0) / 1e6:.1f} MB) than the pinned "
-                f"{old_art.filename}: refusing to download it. If that is right, write the "
-                "new pin.toml by hand and run `make apply`")
-        return Artifact(filename, found.size, found.sha256)
+        if not (found.sha256 and found.size):
+            problem = "no size/sha256"
+        elif found.size > _MAX_GROWTH * old_art.size:
+            problem = (f"{found.size / 1e6:.1f} MB, larger than {_MAX_GROWTH} times the "
+                       f"pinned {old_art.filename}")
+        else:
+            return Artifact(filename, found.size, found.sha256)
+        raise StackError(
+            f"the index lists {filename} with {problem}: refusing to download it. If that "
+            "is right, write the new pin.toml by hand and run `make apply`")
 
     return Pin(version, "unknown", f"vllm-{version}", artifact(old.sdist), artifact(old.wheel))
 
