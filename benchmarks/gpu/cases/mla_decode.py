@@ -21,6 +21,10 @@ Two regimes:
 * per-step (secondary): the split count chosen for each shape's own longest
   context, as an eager call would; uniform lengths, pages of 64.
 
+Beside the trees, `reshape`: the release's grouped decode fed a request's
+query_len x heads rows as its heads (`bind_reshape`), the simplest alternative
+to a block kernel, in the same run.
+
 A case module of the GPU benchmark runner (FILES, SHAPES, make_inputs, bind,
 same_output; see benchmarks/gpu/run.py), plus `roofline(shape)`: the bytes the
 attention must read at least once and its FLOPs, which `main()` divides by the
@@ -258,6 +262,45 @@ def bind(load):
         return o, lse
 
     call.ops = block_ops
+    return call
+
+
+def bind_reshape(load):
+    """The simplest alternative to a block kernel: every row of a non-causal
+    draft block sees its request's whole KV, so the tree's grouped decode
+    (decode_attention_fwd) can take a request's query_len x heads rows as its
+    heads, one row of block table and length per request, no new kernel."""
+    ops = load(OPS)
+
+    def call(x: dict):
+        q, kv_cache = x["q"], x["kv_cache"]
+        num_reqs = x["seq_lens"].shape[0]
+        tokens, heads = q.shape[:2]
+        rows = tokens // num_reqs * heads
+        splits = flat_num_kv_splits(x["planned_len"], x["sm_count"])
+        o = torch.zeros(num_reqs, rows, KV_LORA_RANK, dtype=q.dtype, device=q.device)
+        lse = torch.zeros(num_reqs, rows, dtype=q.dtype, device=q.device)
+        attn_logits = scratch(x, splits).view(num_reqs, rows, splits, KV_LORA_RANK + 1)
+        cache = kv_cache.unsqueeze(2)
+        ops.decode_attention_fwd(
+            q.view(num_reqs, rows, HEAD_SIZE),
+            cache,
+            cache[..., :KV_LORA_RANK],
+            o,
+            lse,
+            x["block_table"],
+            x["seq_lens"],
+            attn_logits,
+            splits,
+            x["scale"],
+            cache.size(1),
+            k_scale=x["k_scale"],
+            v_scale=x["k_scale"],
+            is_mla=True,
+        )
+        return o.view(tokens, heads, KV_LORA_RANK), lse.view(tokens, heads)
+
+    call.ops = ops
     return call
 
 
@@ -650,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     # and any gpubench --rev LABEL=REV.
     calls.update((label, bind(load_tree(label))) for label in tree_labels()
                  if label not in calls)
+    # The alternative a maintainer tries first, on the release's own kernel.
+    calls["reshape"] = bind_reshape(load_tree("pristine"))
     specs = list(args.variant) + (sweep_variants() if args.sweep else [])
     calls.update(variant("patched", spec) for spec in specs)
     shapes = PRODUCTION_SHAPES if args.regime == "production" else PER_STEP_SHAPES
@@ -667,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.repeats, results)
         print(line, flush=True)
     print()
-    for line in summary(results, tree_labels()):
+    for line in summary(results, [*tree_labels(), "reshape"]):
         print(line, flush=True)
     if args.sweep:
         medians = {name: r["ms"] for name, r in results.items()}
