@@ -9,45 +9,59 @@ diff, subject, body and author date are unchanged.
 For patch k of the series, build/export/<kk>-<stem>/ holds
 - <stem>.patch: re-signed, `git am --keep-non-patch`-able onto the pristine
   release after patches 1..k-1 (checked here: applied in a scratch index, the
-  series gives the same tree as build/vllm); its `From <id>` line names the
-  re-signed commit, this PR's head commit as exported;
+  series gives the same tree as build/vllm);
 - PR.md: the description in the PR template of the patched tree, filled from
   the commit message, patches/notes/<stem>.md (optional free sections such as
   "## Claims", "## Rationale", "## Hardware test plan") and the latest
-  `make test` results for that patch's tree (build/test-results/summary.json).
-  Its validation names the head commit and its tree, which a reviewer can
-  check after `git am` (project commits are not public): a figure cited as
-  measured at a project commit where this patch's diff was what it is now
-  cites the head commit instead; one where the diff differed is flagged stale.
-  A notes section headed "## History..." (the patch's revisions) stays in the
-  notes, and a PR.md of more than 120 lines is named in a warning: vLLM's
-  reviewers ask for descriptions of at most about that.
-build/export/COVER.md lists the series: order, what each patch needs, and
-which patches can go first (checked: they apply alone to the release, share
-no file with the patches before them and use nothing those add). What a patch
-uses is read from its code: the Python files it changes are parsed as it
-leaves them, and only the imports and names of its added lines count (a
-module named in a docstring, comment or string is no use of it); other files,
-such as CI steps naming a test file, are read as text.
+  `make test` results of the vLLM test files for that patch's tree
+  (build/test-results/summary.json). It cites what a reviewer can reproduce:
+  the tree `git am` of patches 1..k onto the release gives (a commit id
+  depends on who runs `git am`). A notes section headed "## History..." (the
+  patch's revisions) stays in the notes, and a PR.md of more than 120 lines
+  is named in a warning: vLLM's reviewers ask for descriptions of at most
+  about that.
+build/export/COVER.md lists the series: order, what each patch needs and why,
+and which patches can go first. A patch needs the earlier ones whose modules,
+functions or classes its code uses, those its notes declare (`Needs:` lines),
+those without which its diff does not apply (tried: a patch that only changes
+a file after another but applies without it does not need it), and what those
+need in turn. What a patch uses is read from its code: the Python files it
+changes are parsed as it leaves them, and only the imports and names of its
+added lines count (a module named in a docstring, comment or string is no use
+of it); other files, such as CI steps naming a test file, are read as text.
 
-All or nothing: the folder is staged next to build/export and renamed into place.
+PR.md and COVER.md must not point into this project (`PROJECT_TEXT`, and ids
+and paths no tree a reviewer has holds): the export names each such line and
+writes nothing. All or nothing: the folder is staged next to build/export and
+renamed into place.
 """
 
 from __future__ import annotations
 
 import ast
+import bisect
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.common import Layout, StackError, read_regular, rel, say, shown, warn
-from scripts.stack.apply import FORMAT_PATCH, guard_tree, render_commit
+from scripts.common import (
+    PROJECT_ROOT,
+    Layout,
+    StackError,
+    read_regular,
+    rel,
+    say,
+    shown,
+    warn,
+)
+from scripts.stack.apply import guard_tree, render_commit
 from scripts.stack.gitrepo import commits_since, git, is_stack_repo, read_state
 from scripts.stack.pin import load_pin
 from scripts.stack.series import Patch, read_series
@@ -105,6 +119,7 @@ class Message:
     subject: str
     preamble: str
     sections: list[tuple[str, str]]
+    needs: list[tuple[str, str]] = field(default_factory=list)  # (patch, reason): Needs: lines
 
     @classmethod
     def parse(cls, text: str) -> Message:
@@ -159,7 +174,21 @@ def read_notes(layout: Layout, patch: Patch) -> Message:
     except UnicodeDecodeError:
         raise StackError(f"{rel(path, layout)} is not UTF-8 text; save it as UTF-8 and "
                          "run `make export` again")
-    return Message("", *split_sections(text))
+    kept, needs, fenced = [], [], False
+    for number, line in enumerate(text.split("\n"), start=1):
+        fenced ^= line.lstrip().startswith(("```", "~~~"))
+        if fenced or not line.startswith("Needs:"):
+            kept.append(line)
+        elif match := _NEEDS.match(line):
+            needs.append((match.group("patch"), match.group("reason").strip()))
+        else:
+            raise StackError(f"{rel(path, layout)}:{number}: {shown(line)}: write it as "
+                             "`Needs: <earlier patch file in patches/series> -- <reason>`")
+    return Message("", *split_sections("\n".join(kept)), needs)
+
+
+# A need the diff cannot show, declared in the notes (kept out of PR.md).
+_NEEDS = re.compile(r"^Needs:\s*(?P<patch>\S+\.patch)\s+--\s+(?P<reason>\S.*)$")
 
 
 # --- re-signing -----------------------------------------------------------------
@@ -363,42 +392,62 @@ def _new_sources(tree: Path, commit: str, text: str) -> dict[str, bytes]:
 class Needs:
     """The earlier patches (1-based) one patch needs, and why."""
 
-    patches: list[int]
-    reasons: list[str]  # one per patch it builds on directly
+    patches: list[int]  # those it needs directly and theirs in turn
+    reasons: dict[int, str]  # per patch it needs directly: why
+    goes_first: bool = False  # needs none, and the rest of the series applies after it
 
 
 def requirements(tree: Path, base: str, patch_files: list[Path], commits: list[str],
-                 objects: dict[str, str]) -> list[Needs]:
-    """Per patch, the earlier ones it needs: those it shares a file with or whose
-    modules, functions or classes its code uses (`commits`: the patches applied,
-    where their Python files are read), and what those need in turn; checked by
-    applying just them and it, in order, to the release. A patch that does not
-    apply so needs every patch before it."""
+                 declared: list[dict[int, str]], objects: dict[str, str]) -> list[Needs]:
+    """Per patch, the earlier ones it needs (0-based in `declared`, what each
+    patch's notes declare, with the reason): those whose modules, functions or
+    classes its code uses (`commits`: the patches applied, where their Python
+    files are read), those declared, those whose files it changes and without
+    which it does not apply (tried in a scratch index: one whose hunks apply
+    without it is no need), and what those need in turn. A patch that does not
+    apply on the release after those needs every patch before it."""
     texts = [p.read_text(errors="replace") for p in patch_files]
     facts = [PatchFacts.of(text, _new_sources(tree, commit, text))
              for text, commit in zip(texts, commits)]
     new_names = _names_new_to(tree, base, set().union(*(f.defines for f in facts)))
     result: list[Needs] = []
-    for k, (path, mine) in enumerate(zip(patch_files, facts)):
-        used_names = mine.names - mine.defines
-        direct: dict[int, str] = {}
-        for j, theirs in enumerate(facts[:k]):
-            uses = sorted({m for m in theirs.modules if mine.uses_module(m)}
-                          | (used_names & new_names & theirs.defines))
-            shared = sorted(mine.files & theirs.files)
-            evidence = ([f"uses {_some(uses)} of #{j + 1}"] if uses else []) + (
-                [f"changes {_some(shared)} after #{j + 1}"] if shared else [])
-            if evidence:
-                direct[j] = " and ".join(evidence)
-        # 0-based, like `direct`: the patches it builds on and theirs in turn.
-        needed = set(direct).union(*({n - 1 for n in result[j].patches} for j in direct))
+
+    def closure(direct: set[int]) -> set[int]:  # 0-based: these and what they need
+        return direct.union(*({n - 1 for n in result[j].patches} for j in direct))
+
+    def applies_after(k: int, direct: set[int]) -> bool:
         with scratch_index(tree, base, objects) as env:
-            applies_so = all(applies(tree, patch_files[j], env) for j in sorted(needed))
-            applies_so = applies_so and applies(tree, path, env, check=True)
-        if not applies_so:
-            needed = set(range(k))
-            direct = {k - 1: f"applies to {base} only after #1-#{k}"}
-        result.append(Needs(sorted(j + 1 for j in needed), list(direct.values())))
+            return (all(applies(tree, patch_files[j], env) for j in sorted(closure(direct)))
+                    and applies(tree, patch_files[k], env, check=True))
+
+    for k, mine in enumerate(facts):
+        used_names = mine.names - mine.defines
+        reasons = {j: [f"#{j + 1}, as declared: {why}"] for j, why in declared[k].items()}
+        shared: dict[int, list[str]] = {}
+        for j, theirs in enumerate(facts[:k]):
+            if uses := sorted({m for m in theirs.modules if mine.uses_module(m)}
+                              | (used_names & new_names & theirs.defines)):
+                reasons.setdefault(j, []).append(f"it uses {_some(uses)} of #{j + 1}")
+            if files := sorted(mine.files & theirs.files):
+                shared[j] = files
+        textual = set(shared)
+        if applies_after(k, set(reasons) | textual):
+            for j in sorted(textual, reverse=True):  # a later one may bring the earlier
+                if applies_after(k, set(reasons) | textual - {j}):
+                    textual.discard(j)  # only file overlap: its hunks apply without it
+            for j in textual:
+                reasons.setdefault(j, []).append(f"its diff of {_some(shared[j])} applies "
+                                                 f"only after #{j + 1}")
+            needed = closure(set(reasons))
+        else:
+            reasons, needed = {k - 1: [f"it applies to {base} only after #1-#{k}"]}, set(range(k))
+        result.append(Needs(sorted(j + 1 for j in needed),
+                            {j + 1: " and ".join(reasons[j]) for j in sorted(reasons)}))
+    for k, need in enumerate(result[1:], start=1):
+        if not need.patches:  # the rest of the series still applies after it
+            order = [k] + [j for j in range(len(patch_files)) if j != k]
+            with scratch_index(tree, base, objects) as env:
+                need.goes_first = all(applies(tree, patch_files[j], env) for j in order)
     return result
 
 
@@ -458,56 +507,95 @@ def _cat(tree: Path, objects: list[str]) -> list[bytes | None]:
     return contents
 
 
-# --- figures and the commit that measured them ------------------------------------
+# --- what a reviewer can follow ----------------------------------------------------
 
-# How a message or notes file names the project commit a figure was measured on
-# (wrapped text may break the name over lines), with the project's name if it
-# is there: a current mention is replaced whole.
-_MEASURED_AT = re.compile(r"(?:\bK3\s+DSpark\s+ROCm\s+)?\b(project\s+commit)\s+"
-                          r"([0-9a-f]{7,40})\b")
-
-
-def _code(patch_file: bytes) -> bytes:
-    """A patch file's diff: what its figures measured (its message can change freely)."""
-    start = patch_file.find(b"\ndiff --git ")
-    end = patch_file.rfind(b"\n-- \n")
-    return patch_file[start:end if end > start else None] if start >= 0 else b""
-
-
-def stale_commits(layout: Layout, patch: Patch, text: str) -> list[str]:
-    """The project commits `text` names as where its figures were measured, at
-    which this patch's diff was not what it is now (or cannot be read)."""
-    now = _code(patch.read())
-    stale = []
-    for sha in dict.fromkeys(m.group(2) for m in _MEASURED_AT.finditer(text)):
-        then = git(layout.root, "show", f"{sha}:{rel(patch.path, layout)}", check=False,
-                   text=False)
-        if then.returncode != 0 or _code(then.stdout) != now:
-            stale.append(sha)
-    return stale
+# Text of PR.md and COVER.md that points into this project, which upstream
+# cannot follow: (pattern, what it is). `make export` refuses each hit
+# (`references`); so it does an id or a path that no tree the reviewer has
+# holds (`_HEX_ID`, `_PATH`). Documented in docs/maintaining.md.
+PROJECT_TEXT = [
+    (r"\bpython3?\s+-m\s+scripts\b", "this project's command line"),
+    (r"\bmake\s+(?:{targets})\b", "a target of this project's Makefile"),
+    (r"\bK3\s+DSpark\s+ROCm\s+project\b", "this project's name"),
+    (r"\bpatch[\s-]stack\b", "this project"),
+    (r"\breview\s+round\s+\d+", "this project's review"),
+    (r"\b(?:in\s+)?the\s+PR's\s+notes\b|\bin\s+the\s+notes\b",
+     "the notes, which PR.md leaves out"),
+    (r"\bthis\s+PR\s+as\s+it\s+was\s+on\s+vLLM\s+\d+(?:\.\d+)*", "an earlier revision in this project"),
+]
+# A git id: 7-40 hex digits, with a digit and a letter (checked in
+# `references`), backticked or after "commit", "tree" or "blob".
+_HEX_ID = re.compile(r"`(?P<a>[0-9a-f]{7,40})`"
+                     r"|\b(?:commit|tree|blob)s?\s+`?(?P<b>[0-9a-f]{7,40})\b", re.IGNORECASE)
+# A relative path (checked in `references` if its first folder is a top-level
+# one of vLLM's or this project's); one that a glob or placeholder continues
+# is not a path.
+_PATH = re.compile(r"(?<![\w./~-])((?:[\w.-]+/)+[\w.-]*)(?![\w./*{<\[-])")
 
 
-def cite_head(text: str, stale: list[str], head: str) -> str:
-    """Each mention of a measuring commit, as an upstream reviewer can follow it:
-    a stale one flagged where the reader sees it; a current one (measured on
-    this very diff) replaced by this PR's head commit, since nobody upstream
-    can look up a project commit."""
-    def cite(m: re.Match) -> str:
-        if m.group(2) not in stale:
-            return f"this PR's head commit `{head[:12]}`"
-        return (f"{m.group(0)} (**stale**: this PR's code changed after that "
-                "measurement)")
-    return _MEASURED_AT.sub(cite, text)
+@dataclass
+class Reachable:
+    """What a reviewer has after `git am` of some patches onto the release: the
+    upstream commit, the trees, folders and files of the release and of each
+    of those prefixes (sorted ids, for a look-up by prefix), and their paths."""
+
+    ids: list[str]
+    paths: set[str]
+
+    @classmethod
+    def of(cls, tree: Path, revs: list[str], upstream: str) -> list[Reachable]:
+        """One per prefix of `revs` (the release, then the patches), cumulatively."""
+        ids, paths, out = {upstream}, set(), []
+        for rev in revs:
+            ids.add(git(tree, "rev-parse", f"{rev}^{{tree}}").stdout.strip())
+            for entry in git(tree, "ls-tree", "-r", "-t", "-z", rev).stdout.split("\0"):
+                if entry:
+                    meta, path = entry.split("\t", 1)
+                    ids.add(meta.split()[2])
+                    paths.add(path)
+            out.append(cls(sorted(ids), set(paths)))
+        return out
+
+    def has_id(self, short: str) -> bool:
+        at = bisect.bisect_left(self.ids, short.lower())
+        return at < len(self.ids) and self.ids[at].startswith(short.lower())
 
 
-def head_text(head: str, tree_id: str, k: int, release: str) -> str:
-    """The line of PR.md that names the commit a reviewer is given, and the tree
-    they can check it by (the commit id depends on who runs `git am`, the tree
-    does not)."""
+def references(text: str, reach: Reachable) -> list[tuple[int, str, str]]:
+    """(line, text, what it is) for each place `text` points into this project."""
+    targets = "|".join(map(re.escape, _make_targets()))
+    found = [(m, why) for pattern, why in PROJECT_TEXT
+             for m in re.finditer(pattern.format(targets=targets), text, re.IGNORECASE)]
+    for m in _HEX_ID.finditer(text):
+        hex_id = m.group("a") or m.group("b")
+        if (re.search("[0-9]", hex_id) and re.search("[a-f]", hex_id, re.IGNORECASE)
+                and not reach.has_id(hex_id)):
+            found.append((m, "an id that is no commit, tree or file of vLLM's after this PR"))
+    tops = {p for p in reach.paths if "/" not in p} | _PROJECT_TOPS
+    for m in _PATH.finditer(text):
+        path = m.group(1).rstrip("./")
+        if path.split("/")[0] in tops and path not in reach.paths:
+            found.append((m, "a path that is not in vLLM's tree after this PR"))
+    return sorted((text.count("\n", 0, m.start()) + 1, " ".join(m.group(0).split()), why)
+                  for m, why in found)
+
+
+_PROJECT_TOPS = {p.name for p in PROJECT_ROOT.iterdir() if not p.name.startswith(".")}
+
+
+def _make_targets() -> list[str]:
+    """The targets of this project's Makefile (its .PHONY list)."""
+    text = (PROJECT_ROOT / "Makefile").read_text().replace("\\\n", " ")
+    return [t for line in text.splitlines() if line.startswith(".PHONY:")
+            for t in line.split(":", 1)[1].split()]
+
+
+def tree_text(tree_id: str, k: int, release: str) -> str:
+    """The line of PR.md that names the tree a reviewer can check (a commit id
+    depends on who runs `git am`, the tree does not)."""
     applied = "this patch" if k == 1 else f"patches 1-{k} of the series"
-    return (f"This PR's head commit `{head[:12]}` as exported (tree `{tree_id[:12]}`; "
-            f"after `git am` of {applied} onto {release}, `git rev-parse HEAD^{{tree}}` "
-            "prints it).")
+    return (f"After `git am` of {applied} onto {release}, `git rev-parse HEAD^{{tree}}` "
+            f"prints `{tree_id}`: the tree tested here.")
 
 
 # --- PR.md and COVER.md ---------------------------------------------------------------
@@ -616,42 +704,39 @@ def _fill(template: str, filled: dict[str, str]) -> tuple[str, list[str]]:
     return "\n".join(out).rstrip("\n") + "\n", unfilled
 
 
-def validation_text(summary: dict | None, tree_of_patch: str, k: int,
-                    n: int) -> tuple[str, str | None]:
-    """The `make test` results for the tree after patch k, and what is missing if none."""
-    scope = (f"the tree after this PR (patches 1-{k} of the {n}-patch series, "
-             "as it lands in that order)")
+def validation_text(summary: dict | None, tree_of_patch: str) -> tuple[str, str | None]:
+    """The latest `make test` results of the vLLM tree after patch k (what a
+    reviewer can run there: vLLM's linters and test files; the project's own
+    tests are left out), and what is missing if there are none."""
+    untested = "_No test result is recorded for this tree._"
     if summary is None:
-        missing = "no `make test` result is recorded: run `make test`, then `make export`"
-        return f"_{missing[0].upper()}{missing[1:]}._", missing
+        return untested, "no `make test` result is recorded: run `make test`, then `make export`"
     rows = [r for r in summary["rows"] if r["vllm_tree"] == tree_of_patch]
-    if not rows:
-        missing = (f"the latest `make test` ({shown_date(summary['started'])}) did not test "
-                   "this patch's tree: run `make test`, then `make export`")
-        return f"_{missing[0].upper()}{missing[1:]}._", missing
-    emulated = any(_ROCM_PLUGIN in p["command"] for r in rows for p in r["parts"])
-    platforms = ("on CPU, and again under vLLM's RocmPlatform emulated on CPU (gfx942), "
+    parts = _in_vllm(rows)
+    if not parts:
+        return untested, (f"the latest `make test` ({shown_date(summary['started'])}) did not "
+                          "test this patch's tree: run `make test`, then `make export`")
+    emulated = any(_ROCM_PLUGIN in p["command"] for p in parts)
+    platforms = ("on CPU, and again under a CPU emulation of vLLM's RocmPlatform (gfx942), "
                  "where the ROCm-only tests that need no GPU run" if emulated else
                  "on CPU only, where the ROCm-only tests are skipped")
-    lines = [f"`make test` of the K3 DSpark patch stack on {scope}, {platforms} (no GPU), "
-             "one line per row and platform:", "",
-             "| row | in | platform | commands | passed | failed | skipped | run |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
-    groups: dict[tuple[str, str, str], list[dict]] = {}
+    lines = [f"On that tree, with no GPU: vLLM's linters, and its test files with pytest "
+             f"{platforms}; one line per check and platform:", "",
+             "| check | platform | commands | passed | failed | skipped | run |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    groups: dict[tuple[str, str], list[dict]] = {}
     files: dict[str, None] = {}  # the vLLM test files run, in order
-    for row in rows:
-        for part in row["parts"]:
-            where = "vLLM tree" if part["where"].startswith("build/") else "patch-stack project"
-            command, platform = _shown(part["command"])
-            groups.setdefault((row["name"], where, platform), []).append(part)
-            if where == "vLLM tree":
-                files.update(dict.fromkeys(_test_files(command)))
-    for (name, where, platform), parts in groups.items():
+    for part in parts:
+        command, platform = _shown(part["command"])
+        check = "pytest" if command.startswith("pytest ") else command.split(":")[0]
+        groups.setdefault((check, platform), []).append(part)
+        files.update(dict.fromkeys(_test_files(command)))
+    for (check, platform), group in groups.items():
         dates = sorted(shown_date((p["reused"] or {}).get("date") or summary["started"])
-                       for p in parts)
+                       for p in group)
         run = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
-        totals = [sum(p[key] for p in parts) for key in ("passed", "failed", "skipped")]
-        lines.append(f"| {name} | {where} | {platform} | {len(parts)} | "
+        totals = [sum(p[key] for p in group) for key in ("passed", "failed", "skipped")]
+        lines.append(f"| {check} | {platform} | {len(group)} | "
                      + " | ".join(map(str, totals)) + f" | {run} |")
     if files:
         lines += ["", f"vLLM test files run: {_some(list(files), shown=12)}."]
@@ -661,6 +746,11 @@ def validation_text(summary: dict | None, tree_of_patch: str, k: int,
 
 
 _ROCM_PLUGIN = "-p rocm_emulation.plugin"
+
+
+def _in_vllm(rows: list[dict]) -> list[dict]:
+    """The commands of `rows` that ran in a vLLM tree (the project's own tests did not)."""
+    return [p for r in rows for p in r["parts"] if p["where"].startswith("build/")]
 
 
 def _test_files(command: str) -> list[str]:
@@ -692,39 +782,45 @@ def _shown(command: str) -> tuple[str, str]:
 
 def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[dict],
           summary: dict | None) -> str:
-    first = [e for e in entries[1:] if not e["needs"].patches]
+    first = [e for e in entries if e["needs"].goes_first]
     lines = [f"# K3 DSpark drafter on ROCm: {len(entries)} pull requests for vLLM", "",
              f"Base: vLLM {pin_version} (upstream commit `{_hex(pin_commit)}`). Every patch is "
              f"authored and signed off by {submitter}; the project's identity stays as "
              "`Co-authored-by:`.", "",
-             "Send them in this order: `make test` tests the tree after each prefix of it. "
-             "What a patch needs is read from the patches: the earlier ones it changes a "
-             "file of or whose modules, functions or classes its code uses (imports and "
-             "names in code, not docstrings, comments or strings), and what those need in "
-             "turn; it applies to the release after just those.", "",
+             "Send them in this order: the tree after each prefix of it was tested (each "
+             "PR.md says how). A patch needs the earlier ones whose modules, functions or "
+             "classes its code uses (imports and names in code, not docstrings, comments or "
+             "strings), those declared for a reason the diff cannot show, those without "
+             "which its diff does not apply (tried: changing a file after another patch is "
+             "no need if its hunks apply without it), and what those need in turn.", "",
              "| # | pull request | folder | needs |", "| ---: | --- | --- | --- |"]
     for e in entries:
         lines.append(f"| {e['k']} | {e['subject']} | `{e['folder']}/` | "
                      f"{_numbers(e['needs'].patches) or 'nothing'} |")
     lines.append("")
-    why = [f"- #{e['k']} needs {_numbers(e['needs'].patches)}: it "
-           + "; ".join(e["needs"].reasons) + "." for e in entries if e["needs"].patches]
+    why = []
+    for e in (e for e in entries if e["needs"].patches):
+        need = e["needs"]
+        through = [n for n in need.patches if n not in need.reasons]
+        why.append(f"- #{e['k']} needs {_numbers(need.patches)}: "
+                   + "; ".join(need.reasons.values())
+                   + (f"; and, through those, {_numbers(through)}" if through else "") + ".")
     if why:
         lines += ["Why:", "", *why, ""]
     if first:
-        lines += ["Can go first, on the release alone (they apply to it, change no file "
-                  "of the patches before them and use nothing those add):", ""]
+        lines += ["Can go first, on the release alone (they need no earlier patch, and the "
+                  "rest of the series still applies after them):", ""]
         lines += [f"- #{e['k']} `{e['folder']}`" for e in first]
         lines.append("")
     else:
         lines += ["No patch after the first can go on the release alone.", ""]
-    if summary:
-        totals = summary["totals"]
-        lines += [f"Tested: `make test` of {shown_date(summary['started'])} on "
-                  f"`{summary['vllm']['describe']}`: {totals['passed']} passed, "
-                  f"{totals['failed']} failed, {totals['skipped']} skipped "
-                  f"({summary['rows_reused']} of {len(summary['rows'])} rows reused from "
-                  "earlier green runs with the same inputs).", ""]
+    trees = {e["tree"] for e in entries}
+    if parts := _in_vllm([r for r in (summary or {}).get("rows", []) if r["vllm_tree"] in trees]):
+        totals = [sum(p[key] for p in parts) for key in ("passed", "failed", "skipped")]
+        lines += [f"Tested (latest run {shown_date(summary['started'])}, no GPU): vLLM's "
+                  f"linters and test files on the tree after each prefix, `{entries[-1]['tree']}` "
+                  f"after all {len(entries)}: {totals[0]} passed, {totals[1]} failed, "
+                  f"{totals[2]} skipped.", ""]
     lines += ["To open PR k: on a branch at the upstream commit (or at PR k-1), "
               "`git am --keep-non-patch <folder>/<name>.patch`, push, and paste "
               "`<folder>/PR.md` as the description.", "",
@@ -768,6 +864,8 @@ def export_for_upstream(layout: Layout, signoff: str) -> None:
                                     template.stdout, summary, f"vLLM {pin.version}")
         (staging / "COVER.md").write_text(cover(pin.version, pin.commit, submitter,
                                                 entries, summary))
+        _refuse_project_references(layout, staging, entries, [base, *commits],
+                                   _hex(pin.commit))
         _replace(staging, layout.build_dir / EXPORT)
     finally:
         if staging.exists():
@@ -823,7 +921,6 @@ def _summary_problem(summary: dict) -> str | None:
     try:
         typed(summary.get("started"), str, "started")
         typed(summary.get("rows_reused"), int, "rows_reused")
-        typed(typed(summary.get("vllm"), dict, "vllm").get("describe"), str, "vllm.describe")
         totals = typed(summary.get("totals"), dict, "totals")
         for n, row in enumerate(typed(summary.get("rows"), list, "rows")):
             typed(row, dict, f"rows[{n}]")
@@ -851,16 +948,16 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
     tree = layout.tree
     width = max(2, len(str(len(patches))))
     entries = []
+    declared: list[dict[int, str]] = []  # per patch: the earlier ones its notes say it needs
     problems: dict[str, list[int]] = {}  # what the submitter must know -> patch numbers
     with scratch_objects(tree) as objects, scratch_index(tree, base, objects) as index:
         parent = git(tree, "rev-parse", base).stdout.strip()
         for k, (patch, commit) in enumerate(zip(patches, commits), start=1):
             folder = f"{k:0{width}d}-{patch.path.stem}"
             (staging / folder).mkdir()
-            head = resign(tree, commit, parent, submitter, objects)  # this PR's head commit
-            parent = head  # the next patch goes on it
+            parent = resign(tree, commit, parent, submitter, objects)  # the next goes on it
             out = staging / folder / patch.name
-            out.write_bytes(render_with_id(layout, head, objects))
+            out.write_bytes(render_commit(layout, parent, objects))
             tree_of_patch = git(tree, "rev-parse", f"{commit}^{{tree}}").stdout.strip()
             # The file itself, applied after the ones before it, gives the patched tree.
             if not (applies(tree, out, index)
@@ -870,22 +967,16 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
                                  "was exported (please report this)")
             message = Message.parse(git(tree, "log", "-1", "--format=%B", commit).stdout)
             notes = read_notes(layout, patch)
+            declared.append(_declared(layout, patches, k, notes))
             if not any(h.lower().startswith("claims") for h, _ in notes.sections):
                 problems.setdefault(f"no '## Claims' in {rel(layout.patches_dir, layout)}/"
                                     f"{NOTES}/<patch>.md: PR.md claims the title only",
                                     []).append(k)
-            validation, missing = validation_text(summary, tree_of_patch, k, len(patches))
+            validation, missing = validation_text(summary, tree_of_patch)
             if missing:
                 problems.setdefault(missing, []).append(k)
-            validation = f"{head_text(head, tree_of_patch, k, release)}\n\n{validation}"
+            validation = f"{tree_text(tree_of_patch, k, release)}\n\n{validation}"
             description, unfilled = pr_description(template, message, notes, validation)
-            stale = stale_commits(layout, patch, description)
-            description = cite_head(description, stale, head)
-            if stale:
-                problems.setdefault(
-                    "figures measured on a project commit where this patch's code was "
-                    "different are marked stale in PR.md (measure again and cite the "
-                    "commit)", []).append(k)
             for heading in unfilled:
                 problems.setdefault(f"PR.md leaves the template's {heading!r} section "
                                     "for you to fill", []).append(k)
@@ -897,10 +988,11 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
                     f"{NOTES}/<patch>.md stays out of PR.md", []).append(k)
             (staging / folder / "PR.md").write_text(description)
             entries.append({"k": k, "folder": folder, "subject": message.subject,
-                            "file": out})
+                            "file": out, "tree": tree_of_patch, "patch": patch})
             say(f"  [{k}/{len(patches)}] {folder}/: re-signed, reproduces its commit, PR.md")
-        say("  which patches can go first: each tried alone on the release")
-        needs = requirements(tree, base, [e["file"] for e in entries], commits, objects)
+        say("  what each patch needs: each tried on the release")
+        needs = requirements(tree, base, [e["file"] for e in entries], commits, declared,
+                             objects)
     for problem, numbers in problems.items():
         warn(f"{problem} (patch {', '.join(map(str, numbers))})")
     for entry, need in zip(entries, needs):
@@ -908,11 +1000,43 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
     return entries
 
 
-def render_with_id(layout: Layout, commit: str, objects: dict[str, str]) -> bytes:
-    """`commit` as a file to `git am`, whose `From <id>` line names the commit
-    that PR.md names (patches/ writes zeros there: its ids change at every apply)."""
-    with_id = [arg for arg in FORMAT_PATCH if arg != "--zero-commit"]
-    return git(layout.tree, *with_id, "-1", commit, env=objects, text=False).stdout
+def _declared(layout: Layout, patches: list[Patch], k: int, notes: Message) -> dict[int, str]:
+    """The earlier patches (0-based) that patch k's notes say it needs, with the reason."""
+    names = [p.name for p in patches]
+    where = f"{rel(layout.patches_dir, layout)}/{NOTES}/{patches[k - 1].path.stem}.md"
+    declared = {}
+    for name, reason in notes.needs:
+        if name not in names:
+            raise StackError(f"{where}: `Needs: {name}`: no such patch in patches/series")
+        if names.index(name) >= k - 1:
+            raise StackError(f"{where}: `Needs: {name}`: that is patch {names.index(name) + 1}, "
+                             f"not one before this one ({k}); a patch needs earlier ones only")
+        declared[names.index(name)] = reason
+    return declared
+
+
+def _refuse_project_references(layout: Layout, staging: Path, entries: list[dict],
+                               revs: list[str], upstream: str) -> None:
+    """Refuse, naming each line, text of PR.md or COVER.md that points into this
+    project. `revs`: the release and the patches; PR k is read against what
+    `git am` of patches 1..k onto the release gives, COVER.md against all."""
+    reach = Reachable.of(layout.tree, revs, upstream)
+    hits = []
+    for e, known in zip(entries, reach[1:]):
+        text = (staging / e["folder"] / "PR.md").read_text()
+        hits += [f"{e['folder']}/PR.md:{n}: {shown(found)} ({why})"
+                 for n, found, why in references(text, known)]
+    hits += [f"COVER.md:{n}: {shown(found)} ({why})"
+             for n, found, why in references((staging / "COVER.md").read_text(), reach[-1])]
+    if hits:
+        for hit in hits:
+            print(hit, file=sys.stderr)
+        raise StackError(
+            f"{len(hits)} place(s) in PR.md or COVER.md point into this project, which a vLLM "
+            f"reviewer cannot follow; edit the commit message in {rel(layout.tree, layout)} "
+            f"(`git rebase -i`, then `make patches`) or the notes file "
+            f"{rel(layout.patches_dir, layout)}/{NOTES}/<name>.md, then `make export` again "
+            "(nothing was exported)")
 
 
 def _replace(staging: Path, target: Path) -> None:
