@@ -564,20 +564,21 @@ class Reachable:
 def references(text: str, reach: Reachable) -> list[tuple[int, str, str]]:
     """(line, text, what it is) for each place `text` points into this project."""
     targets = "|".join(map(re.escape, _make_targets()))
-    found = [(m, why) for pattern, why in PROJECT_TEXT
+    found = [(m.start(), m.group(0), why) for pattern, why in PROJECT_TEXT
              for m in re.finditer(pattern.format(targets=targets), text, re.IGNORECASE)]
     for m in _HEX_ID.finditer(text):
         hex_id = m.group("a") or m.group("b")
         if (re.search("[0-9]", hex_id) and re.search("[a-f]", hex_id, re.IGNORECASE)
                 and not reach.has_id(hex_id)):
-            found.append((m, "an id that is no commit, tree or file of vLLM's after this PR"))
+            found.append((m.start(), m.group(0).replace("`", ""),
+                          "an id that is no commit, tree or file of vLLM's after this PR"))
     tops = {p for p in reach.paths if "/" not in p} | _PROJECT_TOPS
     for m in _PATH.finditer(text):
         path = m.group(1).rstrip("./")
         if path.split("/")[0] in tops and path not in reach.paths:
-            found.append((m, "a path that is not in vLLM's tree after this PR"))
-    return sorted((text.count("\n", 0, m.start()) + 1, " ".join(m.group(0).split()), why)
-                  for m, why in found)
+            found.append((m.start(), path, "a path that is not in vLLM's tree after this PR"))
+    return sorted((text.count("\n", 0, at) + 1, " ".join(shown.split()), why)
+                  for at, shown, why in found)
 
 
 _PROJECT_TOPS = {p.name for p in PROJECT_ROOT.iterdir() if not p.name.startswith(".")}

@@ -69,8 +69,8 @@ What the notes add to the message.
 """
 # (subject, files): patch 2 and 7 are independent of the patches before them;
 # 3 imports a module 2 adds, 4 calls a function 1 adds, 5 does not apply
-# without 1, and 6 changes a file 2 changes (it would apply alone): each
-# needs just that one.
+# without 1: each needs just that one. 6 changes a file 2 changes, but its
+# hunk applies without 2's: it needs nothing.
 PATCHES = [
     (SUBJECT_1, {"vllm/models/foo.py": FOO_PATCHED + "\n\ndef helper():\n    return BLOCK\n",
                  "tests/test_foo.py": TEST_FOO_PATCHED}),
@@ -219,7 +219,8 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
     for text in ("### Test Plan", "pytest tests/test_foo.py", "### Test Result",
                  "### Automated checks",
                  "on CPU only, where the ROCm-only tests are skipped",
-                 "| prefix 1/7 | vLLM tree | CPU | 2 | 12 | 0 | 1 | 2026-01-02 03:04 UTC |",
+                 "| vLLM pre-commit | CPU | 1 | 9 | 0 | 0 | 2026-01-02 03:04 UTC |",
+                 "| pytest | CPU | 1 | 3 | 0 | 1 | 2026-01-02 03:04 UTC |",
                  "vLLM test files run: `tests/test_foo.py`.",
                  "### Hardware test plan (MI300/MI355 reviewers)", "foo benchmark on an MI300"):
         assert text in validation
@@ -238,21 +239,21 @@ def test_pr_md_fills_every_template_section_with_the_latest_test_counts(series):
     assert pr.endswith(checklist) and "[x]" not in pr
     assert "<!-- Summarize" not in pr and "<!-- Explain" not in pr
     last = (folder(series, 7) / "PR.md").read_text()
-    assert "| stack | vLLM tree | CPU | 1 | 5 | 0 | 2 | 2026-02-03 04:05 UTC |" in last
-    assert ("| stack (ROCm) | vLLM tree | emulated ROCm | 1 | 6 | 0 | 1 | "
-            "2026-02-03 04:05 UTC |" in last)
-    assert "under vLLM's RocmPlatform emulated on CPU (gfx942), where the ROCm-only" in last
+    assert "| pytest | CPU | 1 | 5 | 0 | 2 | 2026-02-03 04:05 UTC |" in last
+    assert "| pytest | emulated ROCm | 1 | 6 | 0 | 1 | 2026-02-03 04:05 UTC |" in last
+    assert "under a CPU emulation of vLLM's RocmPlatform (gfx942), where the ROCm-only" in last
     assert "- Describe vLLM." in last  # no notes file: the title is the claim
     untested = (folder(series, 2) / "PR.md").read_text()
-    assert "did not test this patch's tree: run `make test`, then `make export`" in untested
-    assert "did not test this patch's tree" in result.stderr
+    assert "_No test result is recorded for this tree._" in untested
+    assert ("the latest `make test` (2026-02-03 04:05 UTC) did not test this patch's tree: "
+            "run `make test`, then `make export`") in result.stderr
     assert "(patch 2, 3, 4, 5, 6)" in result.stderr
 
 
 
-def test_automated_checks_are_one_line_per_row_and_platform(series):
-    """A row runs dozens of commands (a prefix row: every earlier patch's test
-    files and the linters); PR.md sums them per row and platform, so that the
+def test_automated_checks_are_one_line_per_check_and_platform(series):
+    """A tree is tested by dozens of commands (every test file of the patches so
+    far, and the linters); PR.md sums them per check and platform, so that the
     description stays readable, and names the vLLM test files once."""
     _write_summary(series)
     layout = Layout(series.root)
@@ -260,17 +261,16 @@ def test_automated_checks_are_one_line_per_row_and_platform(series):
     summary = json.loads(summary_path.read_text())
     (stack,) = [r for r in summary["rows"] if r["name"] == "stack"]
     part = stack["parts"][0]
-    stack["parts"] = [{**part, "command": part["command"].replace("test_foo", f"test_{i}")}
-                      for i in range(30)]
+    stack["parts"] = [{**part, "command": part["command"] + f"::test_{i}"} for i in range(30)]
     summary_path.write_text(json.dumps(summary))
 
     result = export(series)
     assert result.returncode == 0, result.stderr
     last = (folder(series, 7) / "PR.md").read_text()
-    assert "| stack | vLLM tree | CPU | 30 | 150 | 0 | 60 | 2026-02-03 04:05 UTC |" in last
-    assert sum(ln.startswith("| stack") for ln in last.splitlines()) == 2  # and ROCm
-    assert "vLLM test files run: `tests/test_0.py`, " in last
-    assert "and 19 more." in last
+    assert "| pytest | CPU | 30 | 150 | 0 | 60 | 2026-02-03 04:05 UTC |" in last
+    assert sum(ln.startswith("| pytest") for ln in last.splitlines()) == 2  # and ROCm
+    assert "vLLM test files run: `tests/test_foo.py`." in last
+
 
 def test_cover_lists_the_order_and_which_patches_can_go_first(series):
     result = export(series)
@@ -282,14 +282,14 @@ def test_cover_lists_the_order_and_which_patches_can_go_first(series):
         if len(cells) == 4 and cells[0].isdigit():
             needs[int(cells[0])] = cells[3]
             assert cells[1] == PATCHES[int(cells[0]) - 1][0]
-    # Each needs what it changes a file of or uses a name of, and no more.
-    assert needs == {1: "nothing", 2: "nothing", 3: "#2", 4: "#1", 5: "#1", 6: "#2",
+    # Each needs what it uses a name of or does not apply without, and no more.
+    assert needs == {1: "nothing", 2: "nothing", 3: "#2", 4: "#1", 5: "#1", 6: "nothing",
                      7: "nothing"}
     assert "- #3 needs #2: it uses `vllm.models.new` of #2." in cover
     assert "- #4 needs #1: it uses `helper` of #1." in cover
-    assert "- #6 needs #2: it changes `vllm/models/many.py` after #2." in cover
+    assert "- #5 needs #1: its diff of `vllm/models/foo.py` applies only after #1." in cover
     first = cover.split("Can go first")[1].split("\n\n", 2)[1].splitlines()
-    assert first == [f"- #2 `02-{STEMS[1]}`", f"- #7 `07-{STEMS[6]}`"]
+    assert first == [f"- #2 `02-{STEMS[1]}`", f"- #6 `06-{STEMS[5]}`", f"- #7 `07-{STEMS[6]}`"]
     assert "no `make test` result is recorded" in result.stderr
 
 
@@ -440,40 +440,6 @@ def test_a_commit_whose_author_is_not_utf8_is_named(series):
     assert "is not UTF-8 (in 'D\\udce9v <" in result.stderr
 
 
-def test_a_figure_measured_before_the_patch_changed_is_marked_stale(series):
-    """A figure names the project commit it was measured on. If the patch's diff
-    changed since (not only its message), PR.md says so next to it, also where
-    the name is wrapped over two lines."""
-    _write_summary(series)
-    notes = series.patches / "notes" / f"{STEMS[6]}.md"
-    series.git("init", "-q", "-b", "main", cwd=series.root)
-    series.git("add", "-A", cwd=series.root)
-    series.git("commit", "-q", "-m", "measured", cwd=series.root)
-    measured = series.git("rev-parse", "--short", "HEAD", cwd=series.root)
-    notes.write_text(f"## Evidence\n\n3.1 ms a step, at project commit {measured}.\n"
-                     f"4.2 ms a layer, at project\ncommit {measured}.\n")
-    series.git("commit", "-q", "--amend", "-m", "[Bugfix] Describe vLLM", "-m",
-               "Reworded: the code is still what was measured.", "-m", SIGNOFF)
-    series.ok("patches")
-    result = export(series)
-    assert result.returncode == 0, result.stderr
-    pr = (folder(series, 7) / "PR.md").read_text()
-    assert "project commit" not in pr and "stale" not in pr
-    assert "3.1 ms a step, at this PR's head commit `" in pr
-    series.commit("[Bugfix] Describe vLLM better", {"vllm/__init__.py": (
-        '"""vLLM, described better."""\nfrom vllm._version import __version__\n')})
-    series.git("reset", "-q", "--soft", "HEAD~2")
-    series.git("commit", "-q", "-m", "[Bugfix] Describe vLLM", "-m", SIGNOFF)
-    series.ok("patches")
-    result = export(series)
-    assert result.returncode == 0, result.stderr
-    pr = (folder(series, 7) / "PR.md").read_text()
-    assert (f"at project commit {measured} (**stale**: this PR's code changed after that "
-            "measurement)." in pr)
-    assert f"at project\ncommit {measured} (**stale**" in pr
-    assert "marked stale in PR.md" in result.stderr and "(patch 7)" in result.stderr
-
-
 def test_an_overview_that_ends_on_a_colon_keeps_what_it_introduces(series):
     """The overview is the purpose's first paragraph; one that ends on a colon
     takes the list after it along, instead of leaving "Two paths stay open:"
@@ -525,50 +491,163 @@ def test_a_name_in_a_docstring_comment_or_string_is_no_dependency(series):
     result = export(series)
     assert result.returncode == 0, result.stderr
     assert _cover_needs(series) == {1: "nothing", 2: "nothing", 3: "#2", 4: "#1", 5: "#1",
-                                    6: "#2", 7: "nothing", 8: "nothing", 9: "#1-#2",
+                                    6: "nothing", 7: "nothing", 8: "nothing", 9: "#1-#2",
                                     10: "#2"}
     cover = (series.root / "build" / "export" / "COVER.md").read_text()
-    assert ("- #9 needs #1-#2: it uses `helper` of #1; uses `new_model`, `vllm.models.new` "
+    assert ("- #9 needs #1-#2: it uses `helper` of #1; it uses `new_model`, `vllm.models.new` "
             "of #2.") in cover
     assert "- #10 needs #2: it uses `vllm.models.new` of #2." in cover
 
 
-def _exported_id(patch: Path) -> str:
-    """The commit an exported .patch file names in its `From <id> <date>` line."""
-    first = patch.read_text().splitlines()[0].split()
-    assert first[0] == "From" and len(first[1]) == 40 and set(first[1]) != {"0"}
-    return first[1]
-
-
-def test_pr_md_names_its_exported_head_commit_and_tree_not_a_project_commit(series, tmp_path):
-    """A figure measured at a project commit where the patch's diff was what it
-    is now cites this PR's head commit instead (nobody upstream can look a
-    project commit up); the validation names that commit, the one the .patch
-    file is, and the tree `git am` of patches 1-k onto the release gives."""
-    series.git("init", "-q", "-b", "main", cwd=series.root)
-    series.git("add", "-A", cwd=series.root)
-    series.git("commit", "-q", "-m", "measured", cwd=series.root)
-    measured = series.git("rev-parse", "--short", "HEAD", cwd=series.root)
-    series.git("commit", "-q", "--amend", "-m", "[Bugfix] Describe vLLM", "-m",
-               "## Purpose\n\nvLLM is undescribed.", "-m",
-               f"## Test Result\n\nImport time 3.1 ms (K3 DSpark ROCm project commit\n"
-               f"{measured}, the median of 5).", "-m", SIGNOFF)
+def _reword_last(series, body: str) -> None:
+    """Patch 7's message becomes `body`, its code unchanged."""
+    series.git("commit", "-q", "--amend", "-m", "[Bugfix] Describe vLLM", "-m", body,
+               "-m", SIGNOFF)
     series.ok("patches")
+
+
+def test_pr_md_cites_the_tree_git_am_gives_and_no_commit_of_the_export(series, tmp_path):
+    """A commit id depends on who runs `git am` (the committer, the date); the
+    tree does not. PR.md names the tree `git am` of patches 1-k onto the
+    release gives, and a file by its blob id, which the patch's `index` lines
+    show; the exported commits are named nowhere."""
+    _write_summary(series)
+    blob = series.git("rev-parse", "stack~6:tests/test_foo.py")
+    _reword_last(series, f"## Purpose\n\nvLLM is undescribed.\n\n## Test Result\n\n"
+                         f"3.1 ms, measured with `tests/test_foo.py` at blob {blob[:10]}.")
     result = export(series)
     assert result.returncode == 0, result.stderr
     upstream = _release_clone(series, tmp_path)
     for k in range(1, len(PATCHES) + 1):
         patch = folder(series, k) / f"{STEMS[k - 1]}.patch"
+        assert patch.read_text().startswith("From " + "0" * 40 + " ")
         series.git("am", "--keep-non-patch", str(patch), cwd=upstream)
-        head, tree = _exported_id(patch), series.git("rev-parse", "HEAD^{tree}", cwd=upstream)
+        tree = series.git("rev-parse", "HEAD^{tree}", cwd=upstream)
         pr = (folder(series, k) / "PR.md").read_text()
-        validation = pr.split("### Automated checks", 1)[1].split("\n## ", 1)[0]
-        assert (f"This PR's head commit `{head[:12]}` as exported (tree `{tree[:12]}`; after "
-                "`git am` of ") in validation
-        assert "`git rev-parse HEAD^{tree}` prints it)." in validation
-    assert "`git am` of patches 1-7 of the series onto vLLM 0.1.0" in pr
-    assert "project commit" not in pr and measured not in pr and "stale" not in pr
-    assert f"Import time 3.1 ms (this PR's head commit `{head[:12]}`, the median of 5)." in pr
+        applied = "this patch" if k == 1 else f"patches 1-{k} of the series"
+        assert (f"After `git am` of {applied} onto vLLM 0.1.0, `git rev-parse HEAD^{{tree}}` "
+                f"prints `{tree}`: the tree tested here.") in pr
+        assert "head commit" not in pr and series.git("rev-parse", "HEAD", cwd=upstream) not in pr
+    assert f"3.1 ms, measured with `tests/test_foo.py` at blob {blob[:10]}." in pr
+    assert f"..{blob} " in (folder(series, 1) / f"{STEMS[0]}.patch").read_text()  # `index`
+
+
+def _hits(result) -> list[str]:
+    """The lines of a refused export that name a place in PR.md or COVER.md."""
+    return [ln for ln in result.stderr.splitlines() if not ln.startswith(("error:", "warning:"))]
+
+
+def test_text_that_points_into_this_project_is_refused_line_by_line(series):
+    """PR.md must not name what only this project has: its commits, its
+    commands and Makefile targets, its name, its paths, its notes. Each hit is
+    one line (folder, line of PR.md, the text), then what to edit; nothing is
+    exported. Pointer values, hex-looking words and vLLM's own paths pass."""
+    harmless = ("The pointer 140234567890123 (0x7f8a3c2b1d00) and the word `defaced` stay; "
+                "see `tests/test_foo.py` and vllm/models/.")
+    bad = ["Measured at project commit 26e3a24.", "Run `python3 -m scripts gpubench`.",
+           "Then make test passes.", "As the K3 DSpark ROCm project found.",
+           "The patch stack's CI.", "Asked in review round 4.", "Details in the notes.",
+           "Unlike this PR as it was on vLLM 0.33.0.",
+           "See benchmarks/gpu/cases/mla_decode.py.", "Measured at commit `ab12cd34ef`."]
+    lines = [f"MARK{i} x." for i in range(len(bad))]
+    _reword_last(series, "## Purpose\n\nvLLM is undescribed.\n\n## Test Result\n\n"
+                 + harmless + "\n\n" + "\n".join(lines))
+    assert export(series).returncode == 0
+    pr = (folder(series, 7) / "PR.md").read_text().splitlines()
+    at = [next(n for n, ln in enumerate(pr, 1) if ln.startswith(f"MARK{i} ")) for i in
+          range(len(bad))]
+    _reword_last(series, "## Purpose\n\nvLLM is undescribed.\n\n## Test Result\n\n"
+                 + harmless + "\n\n" + "\n".join(bad))
+    before = snapshot(series.root / "build" / "export")
+    result = export(series)
+    assert result.returncode == 1
+    where = f"07-{STEMS[6]}/PR.md"
+    assert _hits(result) == [
+        f"{where}:{at[0]}: commit 26e3a24 (an id that is no commit, tree or file of vLLM's "
+        "after this PR)",
+        f"{where}:{at[1]}: python3 -m scripts (this project's command line)",
+        f"{where}:{at[2]}: make test (a target of this project's Makefile)",
+        f"{where}:{at[3]}: K3 DSpark ROCm project (this project's name)",
+        f"{where}:{at[4]}: patch stack (this project)",
+        f"{where}:{at[5]}: review round 4 (this project's review)",
+        f"{where}:{at[6]}: in the notes (the notes, which PR.md leaves out)",
+        f"{where}:{at[7]}: this PR as it was on vLLM 0.33.0 (an earlier revision in this "
+        "project)",
+        f"{where}:{at[8]}: benchmarks/gpu/cases/mla_decode.py (a path that is not in vLLM's "
+        "tree after this PR)",
+        f"{where}:{at[9]}: commit ab12cd34ef (an id that is no commit, tree or file of vLLM's "
+        "after this PR)"]
+    final = result.stderr.splitlines()[-1]
+    assert final.startswith("error: 10 place(s) in PR.md or COVER.md point into this project")
+    assert ("edit the commit message in build/vllm (`git rebase -i`, then `make patches`) or "
+            "the notes file patches/notes/<name>.md") in final
+    assert snapshot(series.root / "build" / "export") == before
+
+
+def test_an_id_is_checked_against_the_trees_after_this_pr(series):
+    """An id of build/vllm's own commits (which `git am` does not reproduce), or
+    of a file only a later patch adds, is refused; the release's tree passes."""
+    release_tree = series.git("rev-parse", f"{BASE}^{{tree}}")
+    later_blob = series.git("rev-parse", "stack~5:vllm/models/new.py")  # patch 2 adds it
+    (series.patches / "notes" / f"{STEMS[0]}.md").write_text(
+        NOTES_1 + f"\n## Evidence\n\nOn tree `{release_tree[:12]}`, then blob {later_blob[:9]}; "
+        f"built at commit {series.git('rev-parse', 'stack~6')[:8]}.\n")
+    result = export(series)
+    assert result.returncode == 1
+    hits = _hits(result)
+    assert len(hits) == 2, result.stderr
+    assert "PR.md:" in hits[0] and f": blob {later_blob[:9]} (an id" in hits[0]
+    assert f": commit {series.git('rev-parse', 'stack~6')[:8]} (an id" in hits[1]
+
+
+def test_the_exports_own_text_passes_the_check(series):
+    """What the export writes itself describes the tests in vLLM's terms: no
+    Makefile target, no name of this project."""
+    _write_summary(series)
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    for path in (series.root / "build" / "export").rglob("*.md"):
+        text = path.read_text()
+        for pointer in ("make test", "patch stack", "patch-stack", "project commit"):
+            assert pointer not in text, (path, pointer)
+    cover = (series.root / "build" / "export" / "COVER.md").read_text()
+    tree = series.git("rev-parse", "stack^{tree}")
+    assert (f"on the tree after each prefix, `{tree}` after all 7: 23 passed, 0 failed, "
+            "4 skipped.") in cover  # prefix 1, the stack on CPU and emulated ROCm
+
+
+def test_a_need_declared_in_the_notes_is_listed_with_its_reason(series):
+    """A need the diff cannot show (a feature must not reach users before what
+    makes it correct) is declared in the notes, one `Needs:` line each; COVER.md
+    lists it with the reason and PR.md does not show the line."""
+    notes = series.patches / "notes" / f"{STEMS[6]}.md"
+    notes.write_text(f"Needs: {STEMS[1]}.patch -- the new model must be listed first\n\n"
+                     "## Claims\n\n- vLLM is described.\n")
+    result = export(series)
+    assert result.returncode == 0, result.stderr
+    assert _cover_needs(series)[7] == "#2"
+    cover = (series.root / "build" / "export" / "COVER.md").read_text()
+    assert "- #7 needs #2: #2, as declared: the new model must be listed first." in cover
+    assert "#7" not in cover.split("Can go first")[1]
+    assert "Needs:" not in (folder(series, 7) / "PR.md").read_text()
+
+
+@pytest.mark.parametrize("line, says", [
+    ("Needs: no-such.patch -- a reason", "`Needs: no-such.patch`: no such patch in "
+                                         "patches/series"),
+    (f"Needs: {STEMS[6]}.patch -- a reason", f"`Needs: {STEMS[6]}.patch`: that is patch 7, "
+                                             "not one before this one (2)"),
+    (f"Needs: {STEMS[0]}.patch", "write it as `Needs: <earlier patch file in "
+                                 "patches/series> -- <reason>`")])
+def test_a_declared_need_on_an_unknown_or_later_patch_is_refused_in_one_line(series, line,
+                                                                           says):
+    (series.patches / "notes" / f"{STEMS[1]}.md").write_text(f"{line}\n")
+    result = export(series)
+    assert result.returncode == 1
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: patches/notes/{STEMS[1]}.md")
+    assert says in result.stderr
+    assert not (series.root / "build" / "export").exists()
 
 
 def test_a_history_section_of_the_notes_stays_out_of_pr_md(series):
