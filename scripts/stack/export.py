@@ -79,7 +79,8 @@ _SIGNOFF = re.compile(r"^(?P<name>[^<>\"\\$`;|&(){}\[\]*?!#~^]+?) "
                       r"<(?P<email>[A-Za-z0-9._%+-]+@(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,})>$")
 # Addresses nobody receives mail at (RFC 2606, RFC 6761).
 _RESERVED_DOMAINS = re.compile(
-    r"(^|\.)(example\.(com|net|org)|[^.]+\.(example|invalid|test|localhost))$", re.I)
+    r"(^|\.)(example\.(com|net|org)|[^.]+\.(example|invalid|test|localhost))$",
+    re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -240,11 +241,11 @@ def applies(tree: Path, patch: Path, env: dict[str, str], check: bool = False) -
 
 # --- what each patch needs ----------------------------------------------------------
 
-_DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
-_NEW_FILE = re.compile(r"^diff --git a/\S+ b/(\S+)\nnew file mode", re.M)
+_DIFF_FILE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
+_NEW_FILE = re.compile(r"^diff --git a/\S+ b/(\S+)\nnew file mode", re.MULTILINE)
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@")
 _DEFINED = re.compile(r"^\s*(?:async\s+def|def|class)\s+([A-Za-z_]\w*)"
-                      r"|^([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.M)
+                      r"|^([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)", re.MULTILINE)
 _WORD = re.compile(r"[A-Za-z_]\w*")
 _BYTE_WORD = re.compile(rb"\w+")  # git grep -w's words: runs of [A-Za-z0-9_]
 
@@ -440,7 +441,8 @@ def requirements(tree: Path, base: str, patch_files: list[Path], commits: list[s
                                                  f"only after #{j + 1}")
             needed = closure(set(reasons))
         else:
-            reasons, needed = {k - 1: [f"it applies to {base} only after #1-#{k}"]}, set(range(k))
+            reasons = {k - 1: [f"it applies to {base} only after #1-#{k}"]}
+            needed = set(range(k))
         result.append(Needs(sorted(j + 1 for j in needed),
                             {j + 1: " and ".join(reasons[j]) for j in sorted(reasons)}))
     for k, need in enumerate(result[1:], start=1):
@@ -510,9 +512,9 @@ def _cat(tree: Path, objects: list[str]) -> list[bytes | None]:
 # --- what a reviewer can follow ----------------------------------------------------
 
 # Text of PR.md and COVER.md that points into this project, which upstream
-# cannot follow: (pattern, what it is). `make export` refuses each hit
-# (`references`); so it does an id or a path that no tree the reviewer has
-# holds (`_HEX_ID`, `_PATH`). Documented in docs/maintaining.md.
+# cannot follow: (pattern, what it is). `references` finds these, and the ids
+# (`_HEX_ID`) and paths (`_PATH`) that no tree the reviewer has holds; `make
+# export` refuses each. Documented in docs/maintaining.md ("Export for upstream").
 PROJECT_TEXT = [
     (r"\bpython3?\s+-m\s+scripts\b", "this project's command line"),
     (r"\bmake\s+(?:{targets})\b", "a target of this project's Makefile"),
@@ -521,7 +523,8 @@ PROJECT_TEXT = [
     (r"\breview\s+round\s+\d+", "this project's review"),
     (r"\b(?:in\s+)?the\s+PR's\s+notes\b|\bin\s+the\s+notes\b",
      "the notes, which PR.md leaves out"),
-    (r"\bthis\s+PR\s+as\s+it\s+was\s+on\s+vLLM\s+\d+(?:\.\d+)*", "an earlier revision in this project"),
+    (r"\bthis\s+PR\s+as\s+it\s+was\s+on\s+vLLM\s+\d+(?:\.\d+)*",
+     "an earlier revision in this project"),
 ]
 # A git id: 7-40 hex digits, with a digit and a letter (checked in
 # `references`), backticked or after "commit", "tree" or "blob".
@@ -596,7 +599,7 @@ def tree_text(tree_id: str, k: int, release: str) -> str:
     depends on who runs `git am`, the tree does not)."""
     applied = "this patch" if k == 1 else f"patches 1-{k} of the series"
     return (f"After `git am` of {applied} onto {release}, `git rev-parse HEAD^{{tree}}` "
-            f"prints `{tree_id}`: the tree tested here.")
+            f"prints `{tree_id}`.")
 
 
 # --- PR.md and COVER.md ---------------------------------------------------------------
@@ -721,8 +724,8 @@ def validation_text(summary: dict | None, tree_of_patch: str) -> tuple[str, str 
     platforms = ("on CPU, and again under a CPU emulation of vLLM's RocmPlatform (gfx942), "
                  "where the ROCm-only tests that need no GPU run" if emulated else
                  "on CPU only, where the ROCm-only tests are skipped")
-    lines = [f"On that tree, with no GPU: vLLM's linters, and its test files with pytest "
-             f"{platforms}; one line per check and platform:", "",
+    lines = [(f"On that tree, with no GPU: vLLM's linters, and its test files with pytest "
+              f"{platforms}; one line per check and platform:"), "",
              "| check | platform | commands | passed | failed | skipped | run |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -785,15 +788,15 @@ def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[di
           summary: dict | None) -> str:
     first = [e for e in entries if e["needs"].goes_first]
     lines = [f"# K3 DSpark drafter on ROCm: {len(entries)} pull requests for vLLM", "",
-             f"Base: vLLM {pin_version} (upstream commit `{_hex(pin_commit)}`). Every patch is "
-             f"authored and signed off by {submitter}; the project's identity stays as "
-             "`Co-authored-by:`.", "",
-             "Send them in this order: the tree after each prefix of it was tested (each "
-             "PR.md says how). A patch needs the earlier ones whose modules, functions or "
-             "classes its code uses (imports and names in code, not docstrings, comments or "
-             "strings), those declared for a reason the diff cannot show, those without "
-             "which its diff does not apply (tried: changing a file after another patch is "
-             "no need if its hunks apply without it), and what those need in turn.", "",
+             (f"Base: vLLM {pin_version} (upstream commit `{_hex(pin_commit)}`). Every patch "
+              f"is authored and signed off by {submitter}; the project's identity stays as "
+              "`Co-authored-by:`."), "",
+             ("Send them in this order: the tree after each prefix of it was tested (each "
+              "PR.md says how). A patch needs the earlier ones whose modules, functions or "
+              "classes its code uses (imports and names in code, not docstrings, comments or "
+              "strings), those declared for a reason the diff cannot show, those without "
+              "which its diff does not apply (tried: changing a file after another patch is "
+              "no need if its hunks apply without it), and what those need in turn."), "",
              "| # | pull request | folder | needs |", "| ---: | --- | --- | --- |"]
     for e in entries:
         lines.append(f"| {e['k']} | {e['subject']} | `{e['folder']}/` | "
@@ -809,8 +812,8 @@ def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[di
     if why:
         lines += ["Why:", "", *why, ""]
     if first:
-        lines += ["Can go first, on the release alone (they need no earlier patch, and the "
-                  "rest of the series still applies after them):", ""]
+        lines += [("Can go first, on the release alone (they need no earlier patch, and the "
+                   "rest of the series still applies after them):"), ""]
         lines += [f"- #{e['k']} `{e['folder']}`" for e in first]
         lines.append("")
     else:
@@ -818,17 +821,17 @@ def cover(pin_version: str, pin_commit: str, submitter: Person, entries: list[di
     trees = {e["tree"] for e in entries}
     if parts := _in_vllm([r for r in (summary or {}).get("rows", []) if r["vllm_tree"] in trees]):
         totals = [sum(p[key] for p in parts) for key in ("passed", "failed", "skipped")]
-        lines += [f"Tested (latest run {shown_date(summary['started'])}, no GPU): vLLM's "
-                  f"linters and test files on the tree after each prefix, `{entries[-1]['tree']}` "
-                  f"after all {len(entries)}: {totals[0]} passed, {totals[1]} failed, "
-                  f"{totals[2]} skipped.", ""]
-    lines += ["To open PR k: on a branch at the upstream commit (or at PR k-1), "
-              "`git am --keep-non-patch <folder>/<name>.patch`, push, and paste "
-              "`<folder>/PR.md` as the description.", "",
-              "The checklist at the end of each PR.md is left unticked: it asks for the "
-              "submitter's own judgment. vLLM's contributing guide also asks to disclose "
-              "AI assistance (a note in the PR and a `Co-authored-by:` trailer) where it "
-              "applies."]
+        lines += [(f"Tested (latest run {shown_date(summary['started'])}, no GPU): vLLM's "
+                   "linters and test files on the tree after each prefix, "
+                   f"`{entries[-1]['tree']}` after all {len(entries)}: {totals[0]} passed, "
+                   f"{totals[1]} failed, {totals[2]} skipped."), ""]
+    lines += [("To open PR k: on a branch at the upstream commit (or at PR k-1), "
+               "`git am --keep-non-patch <folder>/<name>.patch`, push, and paste "
+               "`<folder>/PR.md` as the description."), "",
+              ("The checklist at the end of each PR.md is left unticked: it asks for the "
+               "submitter's own judgment. vLLM's contributing guide also asks to disclose "
+               "AI assistance (a note in the PR and a `Co-authored-by:` trailer) where it "
+               "applies.")]
     return "\n".join(lines) + "\n"
 
 
@@ -921,8 +924,6 @@ def _summary_problem(summary: dict) -> str | None:
         return value
     try:
         typed(summary.get("started"), str, "started")
-        typed(summary.get("rows_reused"), int, "rows_reused")
-        totals = typed(summary.get("totals"), dict, "totals")
         for n, row in enumerate(typed(summary.get("rows"), list, "rows")):
             typed(row, dict, f"rows[{n}]")
             typed(row.get("vllm_tree"), (str, type(None)), f"rows[{n}].vllm_tree")
@@ -935,8 +936,6 @@ def _summary_problem(summary: dict) -> str | None:
                 for key, kind in (("where", str), ("command", str), ("passed", int),
                                   ("failed", int), ("skipped", int)):
                     typed(part.get(key), kind, f"rows[{n}].parts[{m}].{key}")
-        for key in ("passed", "failed", "skipped"):
-            typed(totals.get(key), int, f"totals.{key}")
     except TypeError as e:
         return str(e)
     return None
@@ -989,7 +988,7 @@ def _write_pr_folders(layout: Layout, staging: Path, patches: list[Patch],
                     f"{NOTES}/<patch>.md stays out of PR.md", []).append(k)
             (staging / folder / "PR.md").write_text(description)
             entries.append({"k": k, "folder": folder, "subject": message.subject,
-                            "file": out, "tree": tree_of_patch, "patch": patch})
+                            "file": out, "tree": tree_of_patch})
             say(f"  [{k}/{len(patches)}] {folder}/: re-signed, reproduces its commit, PR.md")
         say("  what each patch needs: each tried on the release")
         needs = requirements(tree, base, [e["file"] for e in entries], commits, declared,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import os
 import shutil
 import subprocess
@@ -118,7 +117,7 @@ def series(project, tmp_path_factory):
 
 
 def export(project, signoff: str = SUBMITTER) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "scripts", "export"], cwd=REPO,
+    return subprocess.run([PYTHON, "-m", "scripts", "export"], cwd=REPO, check=False,
                           env={**project.env(), "K3_SIGNOFF": signoff},
                           capture_output=True, text=True, timeout=120)
 
@@ -126,7 +125,8 @@ def export(project, signoff: str = SUBMITTER) -> subprocess.CompletedProcess:
 def make_export(project, signoff: str) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(REPO),
                            f"PYTHON={PYTHON}", "export", f"SIGNOFF={signoff}"],
-                          env=project.env(), capture_output=True, text=True, timeout=120)
+                          env=project.env(), capture_output=True, text=True, timeout=120,
+                          check=False)
 
 
 def folder(project, k: int) -> Path:
@@ -525,7 +525,7 @@ def test_pr_md_cites_the_tree_git_am_gives_and_no_commit_of_the_export(series, t
         pr = (folder(series, k) / "PR.md").read_text()
         applied = "this patch" if k == 1 else f"patches 1-{k} of the series"
         assert (f"After `git am` of {applied} onto vLLM 0.1.0, `git rev-parse HEAD^{{tree}}` "
-                f"prints `{tree}`: the tree tested here.") in pr
+                f"prints `{tree}`.") in pr
         assert "head commit" not in pr and series.git("rev-parse", "HEAD", cwd=upstream) not in pr
         assert patch.read_text().startswith("From " + "0" * 40 + " ")  # no id to cite
     assert f"3.1 ms, measured with `tests/test_foo.py` at blob {blob[:10]}." in pr
@@ -562,21 +562,18 @@ def test_text_that_points_into_this_project_is_refused_line_by_line(series):
     result = export(series)
     assert result.returncode == 1
     where = f"07-{STEMS[6]}/PR.md"
-    assert _hits(result) == [
-        f"{where}:{at[0]}: commit 26e3a24 (an id that is no commit, tree or file of vLLM's "
-        "after this PR)",
-        f"{where}:{at[1]}: python3 -m scripts (this project's command line)",
-        f"{where}:{at[2]}: make test (a target of this project's Makefile)",
-        f"{where}:{at[3]}: K3 DSpark ROCm project (this project's name)",
-        f"{where}:{at[4]}: patch stack (this project)",
-        f"{where}:{at[5]}: review round 4 (this project's review)",
-        f"{where}:{at[6]}: in the notes (the notes, which PR.md leaves out)",
-        f"{where}:{at[7]}: this PR as it was on vLLM 0.33.0 (an earlier revision in this "
-        "project)",
-        f"{where}:{at[8]}: benchmarks/gpu/cases/mla_decode.py (a path that is not in vLLM's "
-        "tree after this PR)",
-        f"{where}:{at[9]}: commit ab12cd34ef (an id that is no commit, tree or file of vLLM's "
-        "after this PR)"]
+    unknown_id = "an id that is no commit, tree or file of vLLM's after this PR"
+    assert _hits(result) == [f"{where}:{n}: {text}" for n, text in zip(at, [
+        f"commit 26e3a24 ({unknown_id})",
+        "python3 -m scripts (this project's command line)",
+        "make test (a target of this project's Makefile)",
+        "K3 DSpark ROCm project (this project's name)",
+        "patch stack (this project)",
+        "review round 4 (this project's review)",
+        "in the notes (the notes, which PR.md leaves out)",
+        "this PR as it was on vLLM 0.33.0 (an earlier revision in this project)",
+        "benchmarks/gpu/cases/mla_decode.py (a path that is not in vLLM's tree after this PR)",
+        f"commit ab12cd34ef ({unknown_id})"])]
     final = result.stderr.splitlines()[-1]
     assert final.startswith("error: 10 place(s) in PR.md or COVER.md point into this project")
     assert ("edit the commit message in build/vllm (`git rebase -i`, then `make patches`) or "
@@ -633,12 +630,9 @@ def test_a_need_declared_in_the_notes_is_listed_with_its_reason(series):
 
 
 @pytest.mark.parametrize("line, says", [
-    ("Needs: no-such.patch -- a reason", "`Needs: no-such.patch`: no such patch in "
-                                         "patches/series"),
-    (f"Needs: {STEMS[6]}.patch -- a reason", f"`Needs: {STEMS[6]}.patch`: that is patch 7, "
-                                             "not one before this one (2)"),
-    (f"Needs: {STEMS[0]}.patch", "write it as `Needs: <earlier patch file in "
-                                 "patches/series> -- <reason>`")])
+    ("Needs: no-such.patch -- a reason", "`Needs: no-such.patch`: no such patch in patches/"),
+    (f"Needs: {STEMS[6]}.patch -- a reason", "that is patch 7, not one before this one (2)"),
+    (f"Needs: {STEMS[0]}.patch", "write it as `Needs: <earlier patch file in patches/")])
 def test_a_declared_need_on_an_unknown_or_later_patch_is_refused_in_one_line(series, line,
                                                                            says):
     (series.patches / "notes" / f"{STEMS[1]}.md").write_text(f"{line}\n")
