@@ -580,8 +580,8 @@ def references(text: str, reach: Reachable) -> list[tuple[int, str, str]]:
         path = m.group(1).rstrip("./")
         if path.split("/")[0] in tops and path not in reach.paths:
             found.append((m.start(), path, "a path that is not in vLLM's tree after this PR"))
-    return sorted((text.count("\n", 0, at) + 1, " ".join(shown.split()), why)
-                  for at, shown, why in found)
+    return sorted((text.count("\n", 0, at) + 1, " ".join(cited.split()), why)
+                  for at, cited, why in found)
 
 
 _PROJECT_TOPS = {p.name for p in PROJECT_ROOT.iterdir() if not p.name.startswith(".")}
