@@ -475,8 +475,8 @@ def build_package(runner: Path, source: Path, trees: list[TreeSpec], cases: list
                                  + ", ".join(f"{t.label} = {t.rev}" for t in trees) + ")")
     csrc = sorted({f for name in cases for f in case_tuple(runner, name, "CSRC") or ()})
     aiter = sorted({m for name in cases for m in case_tuple(runner, name, "AITER") or ()})
-    csrc_files = release_csrc(source, trees[0], csrc) if csrc else {}
     aiter_files, aiter_manifest = aiter_modules(aiter) if aiter else ({}, None)
+    csrc_files = release_csrc(source, trees[0], csrc) if csrc else {}
     _refuse_foreign_folder(package)
     package.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".gpubench-", dir=package.parent))
