@@ -28,7 +28,7 @@ from pathlib import Path
 from scripts.common import Layout, StackError, say, write_atomically
 
 PAGE = "BENCHMARKS.md"
-BEGIN = re.compile(r"^<!-- generated from (?P<log>benchmarks/gpu/results/\S+\.log) -->$")
+BEGIN = re.compile(r"^<!-- generated from (?P<log>benchmarks/gpu/results/[\w.+-]+\.log) -->$")
 SUMMARY = "<!-- generated summary of the GPU tables -->"
 END = "<!-- end generated -->"
 # mla_decode.py times 80 shapes; the page shows these (the log has every one):
@@ -151,7 +151,12 @@ def render(root: Path, log: str) -> Rendered:
                              (re.compile(r"^ragged check:", re.MULTILINE), _mla_check),
                              (re.compile(r"^vllm/unfused:", re.MULTILINE), _rope_table)):
         if marker.search(text):
-            return renderer(text, link)
+            try:
+                return renderer(text, link)
+            except (StopIteration, LookupError, TypeError, ValueError) as e:
+                raise StackError(f"{log}: its {renderer.__name__[1:]} cannot be read "
+                                 f"({type(e).__name__}: {e}); fix the log or "
+                                 "scripts/perf/gpu_tables.py")
     raise StackError(f"{log}: not a log gpu-tables can read (run.py's table, or "
                      "mla_decode.py's or aiter_rope_cache.py's output)")
 
@@ -267,8 +272,8 @@ def _mla_table(text: str, link: str) -> Rendered:
                      + " | ".join(timed[t]["ms"] for t in trees) + " | "
                      + " | ".join(f"{timed[t]['x']}x" for t in trees) + " |")
     run = _BANDWIDTH.search(text)
-    notes = ["- The log's summary (speed-ups as ratios of the medians, so a range can "
-             "differ by 0.01 from the per-row column):"]
+    notes = [("- The log's summary (speed-ups as ratios of the medians, so a range can "
+              "differ from the per-row column):")]
     notes += [f"  - {line}" for line in summary if "% of bound" not in line]
     bound = [line.split("patched % of bound, ")[1] for line in summary if "% of bound" in line]
     if bound:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 
 from scripts.common import Layout
-from scripts.perf.gpu_tables import page_problems, regions
 from tests.tooling.conftest import REPO
 
 RESULTS = "benchmarks/gpu/results"
@@ -27,12 +26,12 @@ def _page(*logs: str, tail: str = "What the page says after it.\n") -> str:
 def _run_log() -> str:
     """A log of benchmarks/gpu/run.py: 'one' 0.990 with a band holding 1,
     'two' 0.980 with a band below it."""
-    rows = [("one", "pristine", "10.00", "1", ""), ("", "patched", "9.90", "0.990",
-                                                       "0.980-1.010  yes"),
-            ("two", "pristine", "10.00", "1", ""), ("", "patched", "9.80", "0.980",
-                                                       "0.970-0.990  yes")]
-    lines = ["case demo", f"{'shape':<13}{'tree':<9}median  p10  p90  /pristine  "
-             "ratio p10-p90  same output", "-" * 60]
+    rows = [("one", "pristine", "10.00", "1", ""),
+            ("", "patched", "9.90", "0.990", "0.980-1.010  yes"),
+            ("two", "pristine", "10.00", "1", ""),
+            ("", "patched", "9.80", "0.980", "0.970-0.990  yes")]
+    header = f"{'shape':<13}{'tree':<9}median  p10  p90  /pristine  ratio p10-p90  same output"
+    lines = ["case demo", header, "-" * 60]
     lines += [f"{shape:<13}{tree:<9}{median}  9.00  11.00  {ratio}  {band}".rstrip()
               for shape, tree, median, ratio, band in rows]
     return "\n".join(lines) + "\n\nreal 0m1s\n"
@@ -105,6 +104,8 @@ def test_check_names_the_table_and_the_log_that_disagree(stacked):
 
 def test_the_page_agrees_with_its_logs():
     """The real BENCHMARKS.md: every GPU table is generated, and from its log."""
+    from scripts.perf.gpu_tables import page_problems, regions
+
     logs = {r.log for r in regions((REPO / "BENCHMARKS.md").read_text().splitlines())}
     assert {f"{RESULTS}/rejection_sample-465f925-h100.log", PRODUCTION,
             f"{RESULTS}/rope_cache-9cdfbba-h100.log"} <= logs
