@@ -239,24 +239,32 @@ def _listed(shapes: list[str]) -> str:
 
 # --- benchmarks/gpu/cases/mla_decode.py: the production regime's table and summary ------------
 
-_MLA_ROW = re.compile(r"^(?P<shape>.+? p\d+)\s+(?P<flat>[\d.]+)\s+(?P<rest>.*)$")
+_MLA_ROW = re.compile(r"^(?P<shape>\d.+? p\d+)\s+(?P<flat>[\d.]+)\s+(?P<rest>.*)$")
 _MLA_TREE = re.compile(r"(?P<tree>[a-z]\w*)\s+(?P<ms>[\d.]+)\s+(?P<x>[\d.]+)x\s+[\d.]+%")
 _MLA_CHECK = re.compile(r"(?P<tree>\w+) (?P<ok>\w+) o (?P<o>\S+) lse \S+")
 _MLA_SHAPE = re.compile(r"^(?P<batch>.+) q(?P<q>\d+) h(?P<h>\d+) (?P<kv>\w+) p(?P<page>\d+)$")
 _BANDWIDTH = re.compile(r"copy bandwidth (?P<bw>[\d.]+) TB/s .* bf16 peak (?P<peak>\d+) TFLOP/s")
 
 
+@dataclass(frozen=True)
+class _MlaRow:
+    flat: str  # ms
+    timed: dict[str, re.Match]  # tree -> ms, speed-up
+    checks: dict[str, re.Match]  # tree -> ok, max |o diff|
+
+
 def _mla_table(text: str, link: str) -> Rendered:
-    rows, summary = {}, []
+    rows: dict[str, _MlaRow] = {}  # shape, single-spaced -> row
+    summary = []
     for line in text.splitlines():
         if (match := _MLA_ROW.match(line)) and _MLA_SHAPE.match(" ".join(match["shape"].split())):
             rest = match["rest"]
-            rows[" ".join(match["shape"].split())] = (
-                float(match["flat"]), {m["tree"]: m for m in _MLA_TREE.finditer(rest)},
+            rows[" ".join(match["shape"].split())] = _MlaRow(
+                match["flat"], {m["tree"]: m for m in _MLA_TREE.finditer(rest)},
                 {m["tree"]: m for m in _MLA_CHECK.finditer(rest)})
         elif re.match(r"^patched (/|fp8 /|% of bound)|^\w+ over flat ", line):
             summary.append(line.split("; worst:")[0])
-    trees = list(next(iter(rows.values()))[1])
+    trees = list(next(iter(rows.values())).timed)
     missing = [s for s in MLA_SHOWN if s not in rows]
     if missing:
         raise StackError(f"{link}: no row {missing[0]!r} (scripts/perf/gpu_tables.py "
@@ -266,27 +274,27 @@ def _mla_table(text: str, link: str) -> Rendered:
              + " | ".join(f"{t} over flat" for t in trees) + " |",
              "| --- " * (2 + 2 * len(trees)) + "|"]
     for shape in MLA_SHOWN:
-        flat, timed, _ = rows[shape]
-        s = _MLA_SHAPE.match(shape)
-        table.append(f"| {s['batch']}, {s['q']} x {s['h']}, {s['kv']}, {s['page']} | {flat:.3f} | "
-                     + " | ".join(timed[t]["ms"] for t in trees) + " | "
-                     + " | ".join(f"{timed[t]['x']}x" for t in trees) + " |")
+        row, s = rows[shape], _MLA_SHAPE.match(shape)
+        table.append(f"| {s['batch']}, {s['q']} x {s['h']}, {s['kv']}, {s['page']} | {row.flat} | "
+                     + " | ".join(row.timed[t]["ms"] for t in trees) + " | "
+                     + " | ".join(f"{row.timed[t]['x']}x" for t in trees) + " |")
     run = _BANDWIDTH.search(text)
     notes = [("- The log's summary (speed-ups as ratios of the medians, so a range can "
               "differ from the per-row column):")]
     notes += [f"  - {line}" for line in summary if "% of bound" not in line]
     bound = [line.split("patched % of bound, ")[1] for line in summary if "% of bound" in line]
     if bound:
-        notes.append(f"  - patched % of bound at >= 16k: {'; '.join(bound).replace(', >= 16k', '')}")
+        bound = "; ".join(bound).replace(", >= 16k", "")
+        notes.append(f"  - patched % of bound at >= 16k: {bound}")
     for tree in trees:
-        short = [v[1][tree]["x"] for s, v in rows.items()
+        short = [float(r.timed[tree]["x"]) for s, r in rows.items()
                  if " 4k " in f" {s} " and _MLA_SHAPE.match(s)["q"] != "1"]
-        single = [v[1][tree]["x"] for s, v in rows.items() if _MLA_SHAPE.match(s)["q"] == "1"]
-        notes.append(f"- {tree} over flat, per row: {_span([float(x) for x in short], '{:.2f}')}x "
-                     f"at 4k context; {_span([float(x) for x in single], '{:.2f}')}x at "
-                     f"query_len 1 ({len(single)} shapes)")
+        single = [float(r.timed[tree]["x"]) for s, r in rows.items()
+                  if _MLA_SHAPE.match(s)["q"] == "1"]
+        notes.append(f"- {tree} over flat, per row: {_span(short, '{:.2f}')}x at 4k context; "
+                     f"{_span(single, '{:.2f}')}x at query_len 1 ({len(single)} shapes)")
     for tree in trees:
-        checks = [v[2][tree] for v in rows.values() if tree in v[2]]
+        checks = [r.checks[tree] for r in rows.values() if tree in r.checks]
         bad = [c for c in checks if c["ok"] != "ok"]
         worst = max(float(c["o"]) for c in checks)
         notes.append(f"- {tree}'s output against flat's, first input set: "
