@@ -16,7 +16,7 @@ PYTHON ?= python3
 STACK  := $(PYTHON) -m scripts
 
 .PHONY: help apply patches rebase rebase-abandon drift overlay install-overlay build test check bench \
-        gpubench lock clean fetch export rocm-image rocm-source-image
+        gpubench gpu-tables lock clean fetch export rocm-image rocm-source-image
 
 # SIGNOFF reaches Python verbatim through the environment: unexpanded by make
 # (`unexport`, $(value)) and single-quoted for the shell, a newline as the two
@@ -42,6 +42,7 @@ help:
 	@echo "make install-overlay TARGET=dir  copy vllm_overlay/ onto an installed vLLM"
 	@echo "make bench      time apply/check/patches against their goals (prints figures)"
 	@echo "make gpubench   time the stack's GPU kernels against the release (needs a GPU to run)"
+	@echo "make gpu-tables rewrite BENCHMARKS.md's GPU tables from their logs (make check compares)"
 	@echo "make rocm-image [BASE_IMAGE=...] [IMAGE_TAG=...]   ROCm image: release image + overlay"
 	@echo "make rocm-source-image [BASE_IMAGE=...] [DOCKER_TARGET=final|test]  ROCm image: vLLM's Dockerfile.rocm on build/vllm"
 	@echo "make clean [FORCE=1]  remove build/ and the venvs (FORCE=1: also work only build/vllm holds)"
@@ -88,6 +89,9 @@ bench:
 
 gpubench:
 	$(STACK) gpubench
+
+gpu-tables:
+	$(STACK) gpu-tables
 
 lock:
 	$(STACK) lock

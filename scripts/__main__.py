@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     mutate.add_argument("--fresh", action="store_true", help="reuse no green result")
     gpubench = sub.add_parser(
         "gpubench", help="time the stack's GPU kernels against the release, side by side")
-    gpubench.add_argument("--case", action="append", help="benchmark case (default: all)")
+    gpubench.add_argument("--case", action="append",
+                          help="benchmark case, repeatable (default: all; without amd-aiter "
+                          "installed, all that need none)")
     gpubench.add_argument("--package", type=Path, default=None,
                           help="folder to build the package in (default: build/gpubench)")
     gpubench.add_argument("--source", type=Path, default=None,
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                           "(default): the previous landed revision of the timed files")
     gpubench.add_argument("--build-only", action="store_true",
                           help="build the package; do not run it")
+    sub.add_parser("gpu-tables", help="rewrite BENCHMARKS.md's GPU tables from their logs "
+                   "in benchmarks/gpu/results/")
     clean = sub.add_parser("clean", help="remove build/ and the venvs (refuses to lose work)")
     clean.add_argument("--force", action="store_true",
                        help="also delete work that exists only in build/vllm (named first)")
@@ -197,6 +201,10 @@ def _dispatch(layout: Layout, args: argparse.Namespace) -> int | None:
 
         return gpubench(layout, args.case, args.package, args.source, args.rev,
                         args.build_only, args.before)
+    elif args.command == "gpu-tables":
+        from scripts.perf.gpu_tables import gpu_tables
+
+        gpu_tables(layout)
     elif args.command == "clean":
         from scripts.stack.clean import clean, force_typed
 

@@ -200,7 +200,7 @@ def gpubench(layout: Layout, cases: list[str] | None, package: Path | None,
     package = package or layout.gpubench_package
     runner = layout.gpu_benchmarks
     pin = load_pin(layout.pin_file)
-    names = cases or available_cases(runner)
+    names = cases or buildable_cases(runner)
     with tempfile.TemporaryDirectory(prefix="k3-gpubench-objects-") as objects:
         stacks = ProjectStacks(layout.root, source, pin, Path(objects))
         trees = resolve_trees(source, pin.base_tag, revs, stacks)
@@ -227,6 +227,17 @@ def gpubench(layout: Layout, cases: list[str] | None, package: Path | None,
 
 def available_cases(runner: Path) -> list[str]:
     return sorted(p.stem for p in (runner / "cases").glob("*.py"))
+
+
+def buildable_cases(runner: Path) -> list[str]:
+    """Every case, less those that copy aiter's modules where this Python has
+    no amd-aiter (said in one line): what gpubench builds without --case."""
+    names = available_cases(runner)
+    skipped = [] if _aiter_spec() else [n for n in names if case_tuple(runner, n, "AITER")]
+    if skipped:
+        say(f"skipped case {', '.join(skipped)}: it copies aiter's modules and this Python "
+            f"({sys.executable}) has no amd-aiter installed; .venv/bin/python builds it too")
+    return [n for n in names if n not in skipped]
 
 
 class NoStack(Exception):
@@ -464,8 +475,8 @@ def build_package(runner: Path, source: Path, trees: list[TreeSpec], cases: list
                                  + ", ".join(f"{t.label} = {t.rev}" for t in trees) + ")")
     csrc = sorted({f for name in cases for f in case_tuple(runner, name, "CSRC") or ()})
     aiter = sorted({m for name in cases for m in case_tuple(runner, name, "AITER") or ()})
-    csrc_files = release_csrc(source, trees[0], csrc) if csrc else {}
     aiter_files, aiter_manifest = aiter_modules(aiter) if aiter else ({}, None)
+    csrc_files = release_csrc(source, trees[0], csrc) if csrc else {}
     _refuse_foreign_folder(package)
     package.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".gpubench-", dir=package.parent))
@@ -527,11 +538,18 @@ def release_csrc(source: Path, tree: TreeSpec, paths: list[str]) -> dict[str, by
 def aiter_folder() -> Path:
     """The installed aiter package folder, found without importing it (its
     __init__ needs ROCm)."""
-    spec = importlib.machinery.PathFinder.find_spec("aiter")
-    if spec is None or not spec.submodule_search_locations:
+    spec = _aiter_spec()
+    if spec is None:
         raise StackError("a benchmark case names AITER modules, and this Python has no "
-                         "amd-aiter installed (requirements/venv.lock pins it: rebuild .venv)")
+                         "amd-aiter installed: run gpubench with .venv/bin/python (its lock "
+                         "pins amd-aiter), or leave that --case out")
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def _aiter_spec() -> importlib.machinery.ModuleSpec | None:
+    """The installed aiter package's spec, found without importing it."""
+    spec = importlib.machinery.PathFinder.find_spec("aiter")
+    return spec if spec is not None and spec.submodule_search_locations else None
 
 
 def aiter_modules(modules: list[str]) -> tuple[dict[str, bytes], dict]:

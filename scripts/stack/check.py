@@ -8,7 +8,8 @@ It proves, without touching build/vllm's branch or work tree, that
   regular files (no symlink or submodule, as git reads the patch), and
 - vllm_overlay/ equals what the stack produces, and
 - README.md's stack table and the patch numbers in README.md and docs/ agree
-  with the series (scripts/stack/numbering.py).
+  with the series (scripts/stack/numbering.py), and
+- BENCHMARKS.md's GPU tables are what their logs give (scripts/perf/gpu_tables.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from scripts.common import Layout, StackError, discard, rel, say, warn
+from scripts.perf.gpu_tables import page_problems
 from scripts.stack import overlay
 from scripts.stack.apply import unexported_commits
 from scripts.stack.gitrepo import DamagedRepo, create_base, dirty_files, is_stack_repo, read_state
@@ -49,6 +51,7 @@ def check(layout: Layout) -> int:
         problems += _stack_problems(layout, pin, patches)
     # Prose only: said whatever the patches are, and blocks no other check.
     problems += numbering_problems(layout, patches)
+    problems += page_problems(layout)
     for msg in problems:
         say(f"FAIL {msg}")
     if note := _unchecked_work(layout):

@@ -82,7 +82,8 @@ PREFIX_BUDGET = f"{VERIFICATION}/test_kernel_budget_of_each_prefix.py"
 # Tooling tests that read prose, which is in no key (README.md, docs/), and
 # the prose each reads: each is a unit of its own keyed by those files, so
 # that an edit of them reruns it, not the whole tooling suite.
-PROSE_TESTS = {"tests/tooling/test_code_map.py": ("docs/code-map.md",)}
+PROSE_TESTS = {"tests/tooling/test_code_map.py": ("docs/code-map.md",),
+               "tests/tooling/test_gpu_tables.py": ("BENCHMARKS.md",)}
 ROCM_PLUGIN = ("-p", "rocm_emulation.plugin")
 JOBS_ENV = "K3_TEST_JOBS"
 LOG_TAIL = 40  # lines of a failing command's output shown as it fails

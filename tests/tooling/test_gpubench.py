@@ -546,6 +546,41 @@ def test_a_kernel_file_that_is_not_utf8_at_a_revision_is_one_line(bench_project)
             in result.stderr)
 
 
+
+def test_without_amd_aiter_the_build_leaves_out_the_case_that_needs_it(bench_project, tmp_path):
+    """A Python without amd-aiter (a plain module named aiter hides the
+    installed one) builds every other case and says in one line which it
+    skipped and why; naming that case stops, saying which Python to use."""
+    shutil.copy2(RUNNER / "cases" / "aiter_rope_cache.py", bench_project.root / "benchmarks"
+                 / "gpu" / "cases")
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "aiter.py").write_text("")
+    env = bench_project.env()
+    env["PYTHONPATH"] = f"{tmp_path / 'hide'}{os.pathsep}{env['PYTHONPATH']}"
+
+    def gpubench(*args):
+        return subprocess.run([PYTHON, "-m", "scripts", "gpubench", "--build-only", *args],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+    result = gpubench()
+    assert result.returncode == 0, result.stderr
+    skipped = [line for line in result.stdout.splitlines() if "aiter_rope_cache" in line]
+    assert skipped == [f"skipped case aiter_rope_cache: it copies aiter's modules and this "
+                       f"Python ({PYTHON}) has no amd-aiter installed; .venv/bin/python "
+                       "builds it too"]
+    assert json.loads((package_of(bench_project) / "trees.json").read_text())["cases"] == [
+        "add"]
+    result = gpubench("--case", "aiter_rope_cache")
+    assert result.returncode == 1
+    assert "no amd-aiter installed: run gpubench with .venv/bin/python" in result.stderr
+
+
+def test_help_says_case_and_rev_repeat(project):
+    out = " ".join(project.ok("gpubench", "--help").stdout.split())
+    assert "benchmark case, repeatable" in out
+    assert "--rev LABEL=REV one more tree to time" in out
+
+
 # --- a case of other sources: release csrc/ and aiter's Triton modules ---------------------
 
 CASE_DIR = RUNNER / "cases"
