@@ -52,9 +52,9 @@ PINS = {
     },
     "nvidia/bf16/compiled": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
-        "first_layer": "_C::fused_add_rms_norm=1 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 _C::rms_norm=1 _C::silu_and_mul=1 aten::bmm=2 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "layer": "_C::fused_add_rms_norm=2 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 _C::silu_and_mul=1 aten::bmm=2 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+        "first_layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 aten::_to_copy=6 aten::add=3 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=4 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 aten::_to_copy=8 aten::add=4 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=4 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "model": "aten::_to_copy=4 aten::add=2 aten::embedding=1 aten::mean=1 aten::mul=2 aten::pow=1 aten::rsqrt=1",
     },
     "nvidia/bf16/eager": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
@@ -64,9 +64,9 @@ PINS = {
     },
     "nvidia/fp8/compiled": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
-        "first_layer": "_C::fused_add_rms_norm=1 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 _C::rms_norm=1 _C::silu_and_mul=1 aten::_to_copy=2 aten::bmm=2 aten::mm=5 aten::mul=1 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "layer": "_C::fused_add_rms_norm=2 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 _C::silu_and_mul=1 aten::_to_copy=2 aten::bmm=2 aten::mm=5 aten::mul=1 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+        "first_layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 aten::_to_copy=8 aten::add=3 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=5 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 aten::_to_copy=10 aten::add=4 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=5 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "model": "aten::_to_copy=4 aten::add=2 aten::embedding=1 aten::mean=1 aten::mul=2 aten::pow=1 aten::rsqrt=1",
     },
     "nvidia/fp8/eager": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
@@ -148,9 +148,9 @@ PINS = {
     },
     "nvidia-aiter-gfx942/bf16/compiled": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
-        "first_layer": "_C::fused_add_rms_norm=1 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 _C::rms_norm=1 _C::silu_and_mul=1 aten::bmm=2 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "layer": "_C::fused_add_rms_norm=2 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 _C::silu_and_mul=1 aten::bmm=2 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+        "first_layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 aten::_to_copy=6 aten::add=3 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=4 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 aten::_to_copy=8 aten::add=4 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=4 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "model": "aten::_to_copy=4 aten::add=2 aten::embedding=1 aten::mean=1 aten::mul=2 aten::pow=1 aten::rsqrt=1",
     },
     "nvidia-aiter-gfx942/bf16/eager": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
@@ -160,9 +160,9 @@ PINS = {
     },
     "nvidia-aiter-gfx942/fp8/compiled": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
-        "first_layer": "_C::fused_add_rms_norm=1 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 _C::rms_norm=1 _C::silu_and_mul=1 aten::_to_copy=2 aten::bmm=2 aten::mm=5 aten::mul=1 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "layer": "_C::fused_add_rms_norm=2 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 _C::silu_and_mul=1 aten::_to_copy=2 aten::bmm=2 aten::mm=5 aten::mul=1 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+        "first_layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 aten::_to_copy=8 aten::add=3 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=5 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 aten::_to_copy=10 aten::add=4 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=5 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "model": "aten::_to_copy=4 aten::add=2 aten::embedding=1 aten::mean=1 aten::mul=2 aten::pow=1 aten::rsqrt=1",
     },
     "nvidia-aiter-gfx942/fp8/eager": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
@@ -172,9 +172,9 @@ PINS = {
     },
     "nvidia-aiter-gfx950/bf16/compiled": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
-        "first_layer": "_C::fused_add_rms_norm=1 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 _C::rms_norm=1 _C::silu_and_mul=1 aten::bmm=2 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "layer": "_C::fused_add_rms_norm=2 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 _C::silu_and_mul=1 aten::bmm=2 aten::mm=5 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+        "first_layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 aten::_to_copy=6 aten::add=3 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=4 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert=1 aten::_to_copy=8 aten::add=4 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=4 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "model": "aten::_to_copy=4 aten::add=2 aten::embedding=1 aten::mean=1 aten::mul=2 aten::pow=1 aten::rsqrt=1",
     },
     "nvidia-aiter-gfx950/bf16/eager": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
@@ -184,9 +184,9 @@ PINS = {
     },
     "nvidia-aiter-gfx950/fp8/compiled": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
-        "first_layer": "_C::fused_add_rms_norm=1 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 _C::rms_norm=1 _C::silu_and_mul=1 aten::_to_copy=2 aten::bmm=2 aten::mm=5 aten::mul=1 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "layer": "_C::fused_add_rms_norm=2 _C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 _C::silu_and_mul=1 aten::_to_copy=2 aten::bmm=2 aten::mm=5 aten::mul=1 aten::zeros=2 attention::triton_mla_decode=1 triton::FusedQKVRMSNormKernel.kernel=1",
-        "model": "_C::fused_add_rms_norm=1 aten::embedding=1",
+        "first_layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 aten::_to_copy=8 aten::add=3 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=5 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "layer": "_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert=1 aten::_to_copy=10 aten::add=4 aten::bmm=2 aten::mean=2 aten::mm=5 aten::mul=5 aten::pow=2 aten::rsqrt=2 aten::zeros=2 attention::triton_mla_decode=1 compiled::SiluAndMul.forward_native=1 triton::FusedQKVRMSNormKernel.kernel=1",
+        "model": "aten::_to_copy=4 aten::add=2 aten::embedding=1 aten::mean=1 aten::mul=2 aten::pow=1 aten::rsqrt=1",
     },
     "nvidia-aiter-gfx950/fp8/eager": {
         "context_kv": "_C::rms_norm=1 _C::rotary_embedding=1 _C_cache_ops::concat_and_cache_mla_grouped=1 aten::clone=2 aten::copy_=1 aten::mm=1",
