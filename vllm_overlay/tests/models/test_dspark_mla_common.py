@@ -398,22 +398,13 @@ def test_k3_dspark_refreshes_cache_pointers_in_place(monkeypatch):
     The context precompute first runs (and is graph-captured) against the
     memory-profiling caches; the real caches are bound later. The array must
     then hold the new addresses in the same storage, which a captured graph
-    still reads, and must never be allocated during graph capture."""
+    still reads, written before any capture and not during it."""
     recorder = _Recorder()
     layers = [_Layer(i, recorder, "auto") for i in range(2)]
     model = _model(layers, recorder, monkeypatch, K3DSparkModelBase)
     slots = torch.tensor([0, 1, 2])
     capturing = False
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    # The array is written (a host-to-device copy) only outside capture.
-    refresh = model._refresh_context_kv_cache_ptrs
-    refreshed_while_capturing = []
-
-    def recorded_refresh(*args):
-        refreshed_while_capturing.append(capturing)
-        refresh(*args)
-
-    monkeypatch.setattr(model, "_refresh_context_kv_cache_ptrs", recorded_refresh)
 
     def bind(*caches):
         for layer, cache in zip(layers, caches):
@@ -428,20 +419,29 @@ def test_k3_dspark_refreshes_cache_pointers_in_place(monkeypatch):
     assert ptrs.tolist() == [c.data_ptr() for c in profiling]
 
     # The real caches arrive; the first precompute on them takes the
-    # per-layer path (one layer has no slot mapping yet) ...
+    # per-layer path (one layer has no slot mapping yet), and the array
+    # already holds their addresses after it, before any capture ...
     real = [torch.zeros(4, 2, KV_WIDTH), torch.zeros(4, 2, KV_WIDTH)]
     expected = bind(*real)
     _precompute(model, [slots, None])
     recorder.calls.clear()
-    # ... and the next one is captured: the array was refreshed before it.
+    assert ptrs.tolist() == expected
+    assert ptrs.data_ptr() == storage
+    # ... so the next precompute, captured, reads that array and builds
+    # none (a new array is a host-to-device copy inside the graph).
     states, positions = torch.zeros(3, 8), torch.tensor([0, 1, 2])
+
+    def no_host_copy(*args, **kwargs):
+        raise AssertionError("a tensor built from host data during capture")
+
     capturing = True
-    model.precompute_and_store_context_kv(states, positions, slots)
+    with monkeypatch.context() as capture:
+        capture.setattr(torch, "tensor", no_host_copy)
+        model.precompute_and_store_context_kv(states, positions, slots)
     capturing = False
     assert _grouped_ptrs_arg(recorder) is ptrs
     assert ptrs.data_ptr() == storage
     assert ptrs.tolist() == expected
-    assert refreshed_while_capturing == [False, False]
 
     # Layers whose caches no longer share a block layout use per-layer updates.
     non_uniform = [torch.zeros(4, 2, KV_WIDTH), torch.zeros(2, 4, KV_WIDTH)]

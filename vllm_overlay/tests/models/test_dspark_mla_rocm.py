@@ -13,12 +13,12 @@ decode kernels and the AITER fused decode. The ROCm kernels themselves are check
 
 import json
 import math
-import sys
 
 import pytest
 import torch
 
 import vllm._custom_ops as ops
+from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
 from vllm.config import (
     DeviceConfig,
     ModelConfig,
@@ -49,6 +49,7 @@ from vllm.models.kimi_k3.amd.mla import (
     KimiK3MultiHeadLatentAttentionWrapper,
     rocm_aiter_ops,
 )
+from vllm.models.kimi_k3.nvidia import dspark_mla as nvidia_dspark_mla
 from vllm.platforms import current_platform
 from vllm.transformers_utils.configs.k3_dspark import K3DSparkConfig
 from vllm.utils.torch_utils import set_default_torch_dtype
@@ -60,10 +61,9 @@ from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
 from vllm.v1.attention.selector import _cached_get_attn_backend
 from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
+from vllm.v1.worker.gpu.spec_decode.dspark.utils import draft_runs_uncompiled
 from vllm.v1.worker.utils import bind_kv_cache_to_layers
 from vllm.v1.worker.workspace import init_workspace_manager, reset_workspace_manager
-
-from ..utils import create_new_process_for_each_test
 
 # The fixtures below tear down what they set up.
 pytestmark = [pytest.mark.cpu_test, pytest.mark.skip_global_cleanup]
@@ -541,6 +541,16 @@ def test_k3_dspark_rocm_wrapper_takes_per_rank_heads(build_draft, monkeypatch):
     assert attn.o_proj.reduce_results is False
 
 
+def test_k3_dspark_rocm_drafter_takes_the_draft_kernels():
+    """The ROCm drafter is not torch.compiled, and opts in: under a compiled
+    target, DSparkSpeculator builds and runs it on vLLM's kernels, as
+    --enforce-eager does."""
+    assert not issubclass(
+        K3DSparkForCausalLM.model_cls, TorchCompileWithNoGuardsWrapper
+    )
+    assert draft_runs_uncompiled(K3DSparkForCausalLM)
+
+
 def test_k3_dspark_rocm_kv_cache_layer_names(build_draft):
     draft = build_draft(post_process=False)
     names = draft.get_draft_kv_cache_layer_names()
@@ -682,50 +692,25 @@ def test_k3_dspark_rocm_weight_reload_keeps_context_kv_addresses(build_draft):
     assert torch.equal(scales, torch.stack([o._k_scale.reshape(()) for o in owners]))
 
 
-# vllm.models.kimi_k3 picks the platform's classes when it is imported, so it
-# is imported again, in a process of its own, with is_rocm() true.
-@create_new_process_for_each_test("fork")
-def test_k3_dspark_registry_resolves_rocm_drafter_on_rocm(monkeypatch):
-    monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
-    monkeypatch.setitem(sys.modules, "aiter", None)  # as without aiter
-    for name in [n for n in sys.modules if n.startswith("vllm.models.kimi_k3")]:
-        monkeypatch.delitem(sys.modules, name)
-
-    import vllm.models.kimi_k3 as kimi_k3
-    from vllm.models.kimi_k3.amd.dspark_mla import K3DSparkForCausalLM
-
-    assert kimi_k3.K3DSparkForCausalLM is K3DSparkForCausalLM
-    # The registry's entry, loaded afresh (its resolution cache may predate
-    # this process's re-import).
-    resolved = ModelRegistry.models["K3DSparkModel"].load_model_cls()
-    assert resolved is K3DSparkForCausalLM
+def test_k3_dspark_registry_resolves_the_platforms_drafter():
+    """vllm.models.kimi_k3 picks the platform's drafter when it is imported:
+    the registry's K3DSparkModel is the ROCm drafter on ROCm and the NVIDIA
+    one elsewhere (CUDA, XPU, CPU), as test_registry.py checks per platform."""
+    expected = (
+        K3DSparkForCausalLM
+        if current_platform.is_rocm()
+        else nvidia_dspark_mla.K3DSparkForCausalLM
+    )
+    assert ModelRegistry._try_load_model_cls("K3DSparkModel") is expected
 
 
-@create_new_process_for_each_test("fork")
-def test_k3_dspark_draft_keeps_its_config_on_rocm(monkeypatch, tmp_path):
+def test_k3_dspark_draft_keeps_its_config(tmp_path):
     """DSparkSpeculatorConfig takes a draft whose class declares no speculator
     config for a DeepSeek-V4 draft and rewrites its model_type and
-    architectures. On ROCm the registry resolves the ROCm drafter: it must
-    declare the config too, so the K3 draft keeps its own."""
-    from vllm.model_executor.models import registry
-
-    monkeypatch.setattr(current_platform, "is_rocm", lambda: True)
-    monkeypatch.setitem(sys.modules, "aiter", None)  # as without aiter
-    for name in [n for n in sys.modules if n.startswith("vllm.models.kimi_k3")]:
-        monkeypatch.delitem(sys.modules, name)
-    # The registry inspects a class in a fresh process, or reads what it found
-    # there from its on-disk cache: neither is on ROCm here. Inspect in this
-    # process, and keep what it finds out of the cache.
-    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
-    lazy = registry._LazyRegisteredModel
-    monkeypatch.setattr(lazy, "_load_modelinfo_from_cache", lambda *_: None)
-    monkeypatch.setattr(lazy, "_save_modelinfo_to_cache", lambda *_: None)
-    registry._try_load_model_cls.cache_clear()
-    registry._try_inspect_model_cls.cache_clear()
-    from vllm.models.kimi_k3.amd.dspark_mla import K3DSparkForCausalLM
+    architectures. The drafter the registry resolves on this platform must
+    declare the config, so the K3 draft keeps its own."""
     from vllm.v1.worker.gpu.spec_decode.dspark.config import DSparkSpeculatorConfig
 
-    assert ModelRegistry._try_load_model_cls("K3DSparkModel") is K3DSparkForCausalLM
     draft = _speculative_config(tmp_path).draft_model_config
 
     assert draft.speculator_config_class == (

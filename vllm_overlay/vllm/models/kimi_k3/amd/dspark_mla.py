@@ -182,3 +182,6 @@ class K3DSparkModel(K3DSparkModelBase):
 
 class K3DSparkForCausalLM(K3DSparkForCausalLMBase):
     model_cls = K3DSparkModel
+    # Not torch.compiled: under a compiled target, DSparkSpeculator builds and
+    # runs it on vLLM's kernels (custom ops, IR op kernels), as --enforce-eager.
+    dspark_draft_runs_uncompiled = True

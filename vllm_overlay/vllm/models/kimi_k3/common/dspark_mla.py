@@ -499,9 +499,6 @@ class K3DSparkForCausalLMBase(nn.Module):
     # Every platform's drafter declares it here: without it the DSpark config
     # takes the draft for a DeepSeek-V4 one and rewrites its model_type.
     speculator_config_class = DSparkSpeculatorConfig
-    # Not torch.compiled: under a compiled target, DSparkSpeculator builds and
-    # runs it on vLLM's kernels (custom ops, IR op kernels).
-    dspark_draft_runs_uncompiled = True
 
     has_own_embed_tokens = False
     has_own_lm_head = False

@@ -83,8 +83,8 @@ def _get_dspark_parallel_config(
 # Muse Spark, MiniMax, XPress) gets that fusion; one that runs uncompiled would
 # run each RMSNorm as 6-8 eager PyTorch kernels, so it can opt in to what
 # --enforce-eager gives it instead: custom ops on, IR ops on vLLM's kernels.
-# K3 opts in; the DeepSeek-V4 and Mistral Large 4 drafters, uncompiled too,
-# keep the target's config until they do.
+# The uncompiled drafters that do not opt in (K3's NVIDIA ones, DeepSeek-V4,
+# Mistral Large 4) keep the target's config, as before.
 
 
 def draft_runs_uncompiled(model_cls: type[nn.Module]) -> bool:
