@@ -61,8 +61,7 @@ def rebase(layout: Layout, version: str) -> None:
     if progress is None:
         progress = _start(layout, version)
     elif progress.get("finishing"):
-        _complete_finish(layout, progress)
-        return
+        return _complete_finish(layout, progress)
     elif progress.get("git"):
         _recover_killed_git(layout, progress)
     _check_branch(layout, progress)
@@ -102,8 +101,9 @@ def _rebase_file(tree: Path, name: str) -> str:
     return path.read_text().strip() if path.exists() else ""
 
 
-def _has_ref(tree: Path, ref: str) -> bool:
-    return git(tree, "rev-parse", "-q", "--verify", ref, check=False).returncode == 0
+def _listed(tree: Path, *args: str, **kwargs) -> list[str]:
+    """The NUL-ended entries a `git ... -z` prints."""
+    return git(tree, *args, **kwargs).stdout.split("\0")[:-1]
 
 
 def _subject(tree: Path, rev: str) -> str:
@@ -114,12 +114,10 @@ def _check_branch(layout: Layout, progress: dict) -> None:
     """Once git's rebase has begun, go on only on branch rebase-<v> or in git's
     rebase of it. (A moved tag does no harm: git is given the release's commit.)"""
     tree, where, branch = layout.tree, rel(layout.tree, layout), _branch(progress)
-    if not progress.get("begun"):
-        return
     rebasing = _rebase_file(tree, "head-name").removeprefix("refs/heads/")
     on = rebasing or git(tree, "symbolic-ref", "-q", "--short", "HEAD",
                          check=False).stdout.strip() or "a detached HEAD"
-    if on != branch:
+    if progress.get("begun") and on != branch:
         fix = "rebase --abort" if rebasing else f"checkout {branch}"
         raise StackError(f"{where} is {'rebasing' if rebasing else 'on'} {on}, not on branch "
                          f"{branch} where the rebase to vLLM {progress['version']} is: `git -C "
@@ -130,12 +128,21 @@ def _start(layout: Layout, version: str) -> dict:
     old = load_pin(layout.pin_file)
     if version == old.version:
         raise StackError(f"the stack is already on vLLM {version} (pin.toml): nothing to do")
-    tree = layout.tree
+    tree, where, branch = layout.tree, rel(layout.tree, layout), f"rebase-{version}"
     apply.guard_tree(layout, "`make rebase`")
     old_base = read_state(tree)["base_tag"]
     # The finish replaces patches/: it must hold the stack, and nothing else edited.
     apply.refuse_overwriting_edits(layout, apply.rendered_stack(layout, old_base))
-    _refuse_resetting_work(layout, version)
+    # A branch left by an earlier rebase (given up by hand) may hold resolved patches
+    # that no other branch has: starting again would reset it. (--exclude takes a
+    # branch's name without refs/heads/, before --branches; no such branch: no commits)
+    if commits := git(tree, "rev-list", f"refs/heads/{branch}", "--not", f"--exclude={branch}",
+                      "--branches", "--tags", check=False).stdout.split():
+        raise StackError(
+            f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
+            f"that no other branch has, and a new rebase would reset it: rename it (`git -C "
+            f"{where} branch -m {branch} <name>`) or delete it (`git -C {where} branch -D "
+            f"{branch}`), then run `make rebase VLLM_VERSION={version}` again")
     new = pin_for(old, version)
     release = import_release(layout, new, ensure_artifact(layout, new.project, new.sdist),
                              parent=old_base)
@@ -145,28 +152,13 @@ def _start(layout: Layout, version: str) -> dict:
                 "project": _project_digests(layout)}
     # Refs and settings only (git's rebase checks the branch out): done again after a kill.
     git(tree, "branch", "-f", progress["old_branch"], BRANCH)
-    git(tree, "branch", "-f", _branch(progress), BRANCH)
+    git(tree, "branch", "-f", branch, BRANCH)
     git(tree, "config", "rerere.enabled", "true")  # a recorded resolution is reused
     git(tree, "config", "rerere.autoUpdate", "true")
     _save(layout, progress)
     say(f"rebasing {len(read_series(layout))} patch(es) from vLLM {old.version} onto "
         f"{version} with `git rebase` (old stack kept as branch {progress['old_branch']})")
     return progress
-
-
-def _refuse_resetting_work(layout: Layout, version: str) -> None:
-    """A branch left by an earlier rebase (given up by hand) may hold resolved
-    patches that no other branch has: starting again would reset it."""
-    tree, where, branch = layout.tree, rel(layout.tree, layout), f"rebase-{version}"
-    # (--exclude takes a branch's name without refs/heads/, before --branches; no
-    # such branch: no commits)
-    if commits := git(tree, "rev-list", f"refs/heads/{branch}", "--not", f"--exclude={branch}",
-                      "--branches", "--tags", check=False).stdout.split():
-        raise StackError(
-            f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
-            f"that no other branch has, and a new rebase would reset it: rename it (`git -C "
-            f"{where} branch -m {branch} <name>`) or delete it (`git -C {where} branch -D "
-            f"{branch}`), then run `make rebase VLLM_VERSION={version}` again")
 
 
 def pin_for(old: Pin, version: str) -> Pin:
@@ -236,7 +228,7 @@ def _drive(layout: Layout, progress: dict) -> None:
 
 
 def _unmerged(tree: Path) -> list[str]:
-    return git(tree, "diff", "--name-only", "-z", "--diff-filter=U").stdout.split("\0")[:-1]
+    return _listed(tree, "diff", "--name-only", "-z", "--diff-filter=U")
 
 
 def _stopped_pick(tree: Path) -> str:
@@ -256,10 +248,9 @@ def _in_the_way(tree: Path) -> list[str] | None:
                    if not ln.startswith("#")] for name in ("done", "git-rebase-todo"))
     if not (done and todo and done[-1] == todo[0] and (pick := _stopped_pick(tree))):
         return None
-    paths = git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z",
-                pick).stdout.split("\0")[:-1]
-    return git(tree, "ls-files", "--others", "-z", "--", *paths, env={
-        "GIT_LITERAL_PATHSPECS": "1"}).stdout.split("\0")[:-1] if paths else []
+    paths = _listed(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", "-z", pick)
+    return _listed(tree, "ls-files", "--others", "-z", "--", *paths,
+                   env={"GIT_LITERAL_PATHSPECS": "1"}) if paths else []
 
 
 def _refuse_unfinished_stop(layout: Layout, progress: dict) -> None:
@@ -340,7 +331,7 @@ def abandon(layout: Layout) -> None:
         raise StackError(f"no rebase is in progress in {where}: nothing to abandon")
     progress = read_state(tree).get("rebase")
     progress = {**(progress if isinstance(progress, dict) else {}), "version": version}
-    if isinstance(progress.get("finishing"), dict):
+    if isinstance(progress.get("finishing"), str):
         raise StackError(f"the rebase to vLLM {version} is being written into the project: "
                          f"complete it with `make rebase VLLM_VERSION={version}`")
     if progress.get("git"):
@@ -362,17 +353,15 @@ def _go_back(layout: Layout, progress: dict, target: str, keep: bool,
     release at their path); any other is the user's, and a forced checkout would
     overwrite it where `target` has a file: refused first. With `keep`, what the
     rebase did is kept as a branch: its name is returned."""
-    tree, where = layout.tree, rel(layout.tree, layout)
-    release = progress.get("release")
+    tree, where, release = layout.tree, rel(layout.tree, layout), progress.get("release")
     revs = [head(tree)] + ([release] if isinstance(release, str) else [])
-    entries = [e.split("\t", 1) for rev in revs
-               for e in git(tree, "ls-tree", "-r", "-z", rev).stdout.split("\0")[:-1]]
+    entries = [e.split("\t", 1) for rev in revs for e in _listed(tree, "ls-tree", "-r", "-z", rev)]
     wrote = {(meta.split()[2], path) for meta, path in entries}  # (blob, path)
-    untracked = git(tree, "ls-files", "--others", "-z").stdout.split("\0")[:-1]  # ignored too
+    untracked = _listed(tree, "ls-files", "--others", "-z")  # ignored ones too
     blobs = git(tree, "hash-object", "--no-filters", "--stdin-paths", input="".join(
         f"{p}\n" for p in untracked)).stdout.split() if untracked else []
     ours = {p for p, blob in zip(untracked, blobs) if (blob, p) in wrote}
-    at_target = git(tree, "ls-tree", "-r", "-z", "--name-only", target).stdout.split("\0")
+    at_target = _listed(tree, "ls-tree", "-r", "-z", "--name-only", target)
     if yours := sorted(set(untracked).intersection(at_target) - ours):
         raise StackError(f"going back to branch {target} in {where} would overwrite "
                          f"untracked files of yours: {', '.join(yours[:5])}. Move them "
@@ -384,7 +373,7 @@ def _go_back(layout: Layout, progress: dict, target: str, keep: bool,
                                              check=False).returncode != 0:
         git(tree, "rebase", "--quit")  # killed before its state was complete
     git(tree, "checkout", "-q", "-f", target)
-    for path in ours.intersection(git(tree, "ls-files", "--others", "-z").stdout.split("\0")):
+    for path in ours.intersection(_listed(tree, "ls-files", "--others", "-z")):
         (tree / path).unlink()
     return kept
 
@@ -409,7 +398,8 @@ def _keep_rebase_work(layout: Layout, progress: dict) -> str | None:
                                              check=False).returncode == 0:
         return None  # nothing was done on the new release
     name, n = f"abandoned-rebase-{progress['version']}", 1
-    while _has_ref(tree, f"refs/heads/{name}"):
+    while git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{name}",
+              check=False).returncode == 0:
         n += 1
         name = f"abandoned-rebase-{progress['version']}-{n}"
     git(tree, "branch", name, tip)
@@ -425,13 +415,9 @@ def _project_digests(layout: Layout) -> dict[str, str]:
             if (digest := apply.file_sha256(p))}
 
 
-def _pin(progress: dict) -> Pin:
-    d = progress["pin"]
-    return Pin(d["version"], d["commit"], d["base_tag"], Artifact(**d["sdist"]),
-               Artifact(**d["wheel"]))
-
-
 def _finish(layout: Layout, progress: dict) -> None:
+    """git is done: refuse what the finish would lose, stage the new pin.toml,
+    patches/ and vllm_overlay/, write the journal, then move them into place."""
     tree, where = layout.tree, rel(layout.tree, layout)
     if dirty := dirty_files(tree):
         raise StackError(f"{where} has uncommitted changes ({', '.join(dirty[:5])}): commit "
@@ -445,21 +431,21 @@ def _finish(layout: Layout, progress: dict) -> None:
             "changed since `make rebase` began: " + ", ".join(sorted({p for p, _ in edited}))
             + ". The finish replaces them: put them back (`git checkout -- <file>` in the "
             f"project), or give the rebase up with `make rebase-abandon`; {_again(progress)}")
-    rendered = apply.rendered_stack(layout, progress["release"])
     staging = layout.build_dir / "rebase-finish"  # beside what it replaces: a rename moves it
     if staging.exists():
         discard(staging)  # from a finish killed before its journal
-    _stage(layout, progress, rendered, staging / "new")
-    # The journal: from here the next run completes the finish.
-    _save(layout, progress, finishing={"head": head(tree), "patches": list(rendered)})
+    _stage(layout, progress, staging)
+    _save(layout, progress, finishing=head(tree))  # from here the next run completes it
     _complete_finish(layout, progress)
 
 
-def _stage(layout: Layout, progress: dict, rendered: dict[str, bytes], new: Path) -> None:
-    """The new pin.toml, patches/ and vllm_overlay/, complete, under `new`."""
-    pin, patches = _pin(progress), new / "patches"
-    new.mkdir(parents=True)
-    (new / "pin.toml").write_text(render_pin(pin))
+def _stage(layout: Layout, progress: dict, staging: Path) -> None:
+    """The new pin.toml, patches/ and vllm_overlay/, complete, under `staging`."""
+    rendered = apply.rendered_stack(layout, progress["release"])
+    d, patches = progress["pin"], staging / "patches"
+    pin = Pin(**{**d, "sdist": Artifact(**d["sdist"]), "wheel": Artifact(**d["wheel"])})
+    staging.mkdir(parents=True)
+    (staging / "pin.toml").write_text(render_pin(pin))
     shutil.copytree(layout.patches_dir, patches, symlinks=True)  # its other files stay
     old_names = set(series_names(layout))
     for name, content in rendered.items():
@@ -472,41 +458,39 @@ def _stage(layout: Layout, progress: dict, rendered: dict[str, bytes], new: Path
     for note in apply.notes_to_remove(layout, dropped, added=rendered.keys() - old_names):
         (patches / note).unlink()
         say(f"removed patches/{note}: its patch left the series (the project's git has it)")
-    files = overlay.render(layout.tree, pin, progress["release"], "HEAD", list(rendered))
-    for path, content in files.items():
-        (new / "vllm_overlay" / path).parent.mkdir(parents=True, exist_ok=True)
-        (new / "vllm_overlay" / path).write_bytes(content)
+    for path, content in overlay.render(layout.tree, pin, progress["release"], "HEAD",
+                                        list(rendered)).items():
+        (staging / "vllm_overlay" / path).parent.mkdir(parents=True, exist_ok=True)
+        (staging / "vllm_overlay" / path).write_bytes(content)
 
 
 def _complete_finish(layout: Layout, progress: dict) -> None:
-    """Move the staged files into place, then make the rebased branch `stack`.
-    Each step can be done again: a killed finish is completed by the next run."""
-    tree, journal, staging = layout.tree, progress["finishing"], layout.build_dir / "rebase-finish"
+    """Move each staged file into place (the old one renamed away first, then
+    deleted), then make the rebased branch `stack`. Each step can be done again:
+    a killed finish is completed by the next run."""
+    tree, staging, new_head = layout.tree, layout.build_dir / "rebase-finish", progress["finishing"]
     for name in _PROJECT_FILES:
-        new, current, old = staging / "new" / name, layout.root / name, staging / "old" / name
-        if not os.path.lexists(new):
-            continue  # moved into place already
-        if os.path.lexists(current) and not os.path.lexists(old):
-            old.parent.mkdir(exist_ok=True)
-            os.replace(current, old)
-        os.replace(new, current)
-    git(tree, "checkout", "-q", "-B", BRANCH, journal["head"])
+        if os.path.lexists(new := staging / name):  # else moved into place already
+            if os.path.lexists(current := layout.root / name):
+                discard(current)
+            os.replace(new, current)
+    git(tree, "checkout", "-q", "-B", BRANCH, new_head)
     git(tree, "branch", "-q", "-D", _branch(progress), check=False)  # gone after a kill
     if staging.exists():
-        discard(staging)  # the old pin.toml, patches/ and vllm_overlay/
-    pin = _pin(progress)
+        discard(staging)
+    pin, patches = load_pin(layout.pin_file), read_series(layout)
     write_state(tree, base_tag=pin.base_tag, base_sdist_sha256=pin.sdist.sha256,
                 base_commit=progress["release"], rebase=None, status="applied",
-                applied_head=journal["head"], applied_digest=series_digest(read_series(layout)),
+                applied_head=new_head, applied_digest=series_digest(patches),
                 synced=apply.patches_snapshot(layout), exporting=None)
     # A patch whose files upstream changed between the releases was really merged.
-    changed = set(git(tree, "diff", "--name-only", "-z", progress["old_base"],
-                      progress["release"]).stdout.split("\0")[:-1])
+    changed = set(_listed(tree, "diff", "--name-only", "-z", progress["old_base"],
+                          progress["release"]))
     review = [apply.patch_name(_subject(tree, c)) for c in commits_since(tree, progress["release"])
-              if changed & set(git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r",
-                                   "-z", c).stdout.split("\0"))]
-    say(f"rebased onto vLLM {pin.version}; pin.toml, patches/ ({len(journal['patches'])} "
-        "patch(es)) and vllm_overlay/ updated"
+              if changed.intersection(_listed(tree, "diff-tree", "--no-commit-id", "--name-only",
+                                              "-r", "-z", c))]
+    say(f"rebased onto vLLM {pin.version}; pin.toml, patches/ ({len(patches)} patch(es)) and "
+        "vllm_overlay/ updated"
         + (f"; upstream changed files these patches change, review them: {', '.join(review)}"
            if review else "")
         + ". Next: `make lock`, `make test`, then commit pin.toml, requirements/, patches/ "
