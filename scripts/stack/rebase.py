@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from scripts.common import Layout, StackError, discard, rel, say
+from scripts.common import Layout, StackError, rel, say, write_atomically
 from scripts.stack import apply, overlay
 from scripts.stack.fetch import IndexUnreachable, ensure_artifact, find_in_index, index_needed
 from scripts.stack.gitrepo import (
@@ -331,7 +331,7 @@ def abandon(layout: Layout) -> None:
         raise StackError(f"no rebase is in progress in {where}: nothing to abandon")
     progress = read_state(tree).get("rebase")
     progress = {**(progress if isinstance(progress, dict) else {}), "version": version}
-    if isinstance(progress.get("finishing"), str):
+    if isinstance(progress.get("finishing"), dict):
         raise StackError(f"the rebase to vLLM {version} is being written into the project: "
                          f"complete it with `make rebase VLLM_VERSION={version}`")
     if progress.get("git"):
@@ -416,8 +416,8 @@ def _project_digests(layout: Layout) -> dict[str, str]:
 
 
 def _finish(layout: Layout, progress: dict) -> None:
-    """git is done: refuse what the finish would lose, stage the new pin.toml,
-    patches/ and vllm_overlay/, write the journal, then move them into place."""
+    """git is done: refuse what the finish would lose or get wrong, then write its
+    journal (the rebased head, the files patches/ loses) and complete it."""
     tree, where = layout.tree, rel(layout.tree, layout)
     if dirty := dirty_files(tree):
         raise StackError(f"{where} has uncommitted changes ({', '.join(dirty[:5])}): commit "
@@ -431,65 +431,46 @@ def _finish(layout: Layout, progress: dict) -> None:
             "changed since `make rebase` began: " + ", ".join(sorted({p for p, _ in edited}))
             + ". The finish replaces them: put them back (`git checkout -- <file>` in the "
             f"project), or give the rebase up with `make rebase-abandon`; {_again(progress)}")
-    staging = layout.build_dir / "rebase-finish"  # beside what it replaces: a rename moves it
-    if staging.exists():
-        discard(staging)  # from a finish killed before its journal
-    _stage(layout, progress, staging)
-    _save(layout, progress, finishing=head(tree))  # from here the next run completes it
+    rendered = apply.rendered_stack(layout, progress["release"])  # refused here, if at all
+    old_names = set(series_names(layout))
+    for name in sorted(dropped := old_names - rendered.keys()):
+        say(f"  dropped {name}: git's rebase left nothing of it (upstream has it, or it "
+            "was skipped)")
+    notes = apply.notes_to_remove(layout, dropped, added=rendered.keys() - old_names)
+    for note in notes:
+        say(f"removed patches/{note}: its patch left the series (the project's git has it)")
+    # From here the next run completes the finish: nothing before it changed the project.
+    _save(layout, progress, finishing={"head": head(tree), "remove": [*dropped, *notes]})
     _complete_finish(layout, progress)
 
 
-def _stage(layout: Layout, progress: dict, staging: Path) -> None:
-    """The new pin.toml, patches/ and vllm_overlay/, complete, under `staging`."""
-    rendered = apply.rendered_stack(layout, progress["release"])
-    d, patches = progress["pin"], staging / "patches"
-    pin = Pin(**{**d, "sdist": Artifact(**d["sdist"]), "wheel": Artifact(**d["wheel"])})
-    staging.mkdir(parents=True)
-    (staging / "pin.toml").write_text(render_pin(pin))
-    shutil.copytree(layout.patches_dir, patches, symlinks=True)  # its other files stay
-    old_names = set(series_names(layout))
-    for name, content in rendered.items():
-        (patches / name).write_bytes(content)
-    (patches / "series").write_bytes(series_text(list(rendered)))
-    for name in sorted(dropped := old_names - rendered.keys()):
-        (patches / name).unlink(missing_ok=True)
-        say(f"  dropped {name}: git's rebase left nothing of it (upstream has it, or it "
-            "was skipped)")
-    for note in apply.notes_to_remove(layout, dropped, added=rendered.keys() - old_names):
-        (patches / note).unlink()
-        say(f"removed patches/{note}: its patch left the series (the project's git has it)")
-    for path, content in overlay.render(layout.tree, pin, progress["release"], "HEAD",
-                                        list(rendered)).items():
-        (staging / "vllm_overlay" / path).parent.mkdir(parents=True, exist_ok=True)
-        (staging / "vllm_overlay" / path).write_bytes(content)
-
-
 def _complete_finish(layout: Layout, progress: dict) -> None:
-    """Move each staged file into place (the old one renamed away first, then
-    deleted), then make the rebased branch `stack`. Each step can be done again:
-    a killed finish is completed by the next run."""
-    tree, staging, new_head = layout.tree, layout.build_dir / "rebase-finish", progress["finishing"]
-    for name in _PROJECT_FILES:
-        if os.path.lexists(new := staging / name):  # else moved into place already
-            if os.path.lexists(current := layout.root / name):
-                discard(current)
-            os.replace(new, current)
-    git(tree, "checkout", "-q", "-B", BRANCH, new_head)
+    """Make the rebased head `stack` and write pin.toml, patches/ and vllm_overlay/
+    from it, as the journal says. Each step can be done again, each file is
+    replaced whole: a killed finish is completed by the next run."""
+    tree, journal, release = layout.tree, progress["finishing"], progress["release"]
+    git(tree, "checkout", "-q", "-B", BRANCH, journal["head"])
     git(tree, "branch", "-q", "-D", _branch(progress), check=False)  # gone after a kill
-    if staging.exists():
-        discard(staging)
-    pin, patches = load_pin(layout.pin_file), read_series(layout)
+    d = progress["pin"]
+    pin = Pin(**{**d, "sdist": Artifact(**d["sdist"]), "wheel": Artifact(**d["wheel"])})
+    write_atomically(layout.pin_file, render_pin(pin).encode())
+    rendered = apply.rendered_stack(layout, release)
+    for name, content in rendered.items():
+        write_atomically(layout.patches_dir / name, content)
+    write_atomically(layout.series_file, series_text(list(rendered)))
+    for name in journal["remove"]:
+        (layout.patches_dir / name).unlink(missing_ok=True)
+    overlay.write(layout, overlay.render(tree, pin, release, "HEAD", list(rendered)))
     write_state(tree, base_tag=pin.base_tag, base_sdist_sha256=pin.sdist.sha256,
-                base_commit=progress["release"], rebase=None, status="applied",
-                applied_head=new_head, applied_digest=series_digest(patches),
+                base_commit=release, rebase=None, status="applied", applied_head=journal["head"],
+                applied_digest=series_digest(read_series(layout)),
                 synced=apply.patches_snapshot(layout), exporting=None)
     # A patch whose files upstream changed between the releases was really merged.
-    changed = set(_listed(tree, "diff", "--name-only", "-z", progress["old_base"],
-                          progress["release"]))
-    review = [apply.patch_name(_subject(tree, c)) for c in commits_since(tree, progress["release"])
+    changed = set(_listed(tree, "diff", "--name-only", "-z", progress["old_base"], release))
+    review = [apply.patch_name(_subject(tree, c)) for c in commits_since(tree, release)
               if changed.intersection(_listed(tree, "diff-tree", "--no-commit-id", "--name-only",
                                               "-r", "-z", c))]
-    say(f"rebased onto vLLM {pin.version}; pin.toml, patches/ ({len(patches)} patch(es)) and "
+    say(f"rebased onto vLLM {pin.version}; pin.toml, patches/ ({len(rendered)} patch(es)) and "
         "vllm_overlay/ updated"
         + (f"; upstream changed files these patches change, review them: {', '.join(review)}"
            if review else "")
