@@ -3,9 +3,8 @@
 Branch `rebase-<new>`, started at `stack`, is moved by `git rebase --onto` (with
 rerere) onto the new release, committed in build/vllm as a child of the old one.
 The state file's `rebase` entry holds what git cannot (the new pin, the release
-commit, the project's files' digests, which git of ours runs). pin.toml,
-patches/ and vllm_overlay/ change only once git is done, from a journal that
-the next run completes if this one is killed.
+commit, the project's files' digests, which git of ours runs). pin.toml, patches/
+and vllm_overlay/ change once git is done, from a journal a killed run leaves.
 """
 
 from __future__ import annotations
@@ -96,8 +95,7 @@ def abandon(layout: Layout) -> None:
 def _progress(layout: Layout) -> dict | None:
     """The state file's rebase entry, or None; one line if it is damaged."""
     progress = read_state(layout.tree).get("rebase")
-    keys = {"version": str, "pin": dict, "old_base": str, "old_branch": str,
-            "release": str, "project": dict}
+    keys = {"version": str, "pin": dict, "old_branch": str, "release": str, "project": dict}
     if progress is None or isinstance(progress, dict) and all(
             isinstance(progress.get(k), t) for k, t in keys.items()):
         return progress
@@ -116,9 +114,8 @@ def _start(layout: Layout, version: str) -> dict:
     old_base = read_state(tree)["base_tag"]
     # The finish replaces patches/: it must hold the stack, and nothing else edited.
     apply.refuse_overwriting_edits(layout, apply.rendered_stack(layout, old_base))
-    # A branch left by an earlier rebase (given up by hand) may hold resolved patches
-    # that no other branch has: starting again would reset it. (--exclude takes a
-    # branch's name without refs/heads/, before --branches; no such branch: no commits)
+    # A rebase-<v> given up by hand may hold resolved patches no other branch has, which
+    # a restart would reset. (--exclude: before --branches, without refs/heads/)
     if commits := git(tree, "rev-list", f"refs/heads/{branch}", "--not", f"--exclude={branch}",
                       "--branches", "--tags", check=False).stdout.split():
         raise StackError(
@@ -130,9 +127,8 @@ def _start(layout: Layout, version: str) -> dict:
     release = import_release(layout, new, ensure_artifact(layout, new.project, new.sdist),
                              parent=old_base)
     new = dataclasses.replace(new, commit=release_commit_id(tree, release) or "unknown")
-    progress = {"version": version, "pin": dataclasses.asdict(new), "old_base": old_base,
-                "old_branch": f"{BRANCH}-{old.version}", "release": release,
-                "project": _project_digests(layout)}
+    progress = {"version": version, "pin": dataclasses.asdict(new), "release": release,
+                "old_branch": f"{BRANCH}-{old.version}", "project": _project_digests(layout)}
     # Refs and settings only (git's rebase checks the branch out): done again after a kill.
     git(tree, "branch", "-f", progress["old_branch"], BRANCH)
     git(tree, "branch", "-f", branch, BRANCH)
@@ -191,13 +187,11 @@ class _Rebase:
     def rebasing(self) -> bool:
         return (self.tree / _REBASE_DIR).is_dir()
 
-    def git_file(self, name: str) -> str:
-        """A file of git's rebase state ("msgnum": the todo lines done), or ""."""
+    def git_file(self, name: str) -> str:  # of git's rebase state ("msgnum": lines done)
         path = self.tree / _REBASE_DIR / name
         return path.read_text().strip() if path.exists() else ""
 
-    def listed(self, *args: str, **kwargs) -> list[str]:
-        """The NUL-ended entries a `git ... -z` prints."""
+    def listed(self, *args: str, **kwargs) -> list[str]:  # what a `git ... -z` lists
         return git(self.tree, *args, **kwargs).stdout.split("\0")[:-1]
 
     def subject(self, rev: str) -> str:
@@ -241,8 +235,9 @@ class _Rebase:
                 args = ["--continue"]
             elif git(tree, "merge-base", "--is-ancestor", release, "HEAD",
                      check=False).returncode != 0:
-                args = ["--committer-date-is-author-date", "--onto", release,
-                        self.progress["old_base"], self.branch]  # git checks the branch out
+                # The release's parent is the old base. git checks the branch out itself.
+                args = ["--committer-date-is-author-date", "--onto", release, f"{release}^",
+                        self.branch]
             elif fixups := [s for s in map(self.subject, commits_since(tree, release))
                             if s.startswith(("fixup! ", "squash! ", "amend! "))]:
                 say(f"  folding {len(fixups)} commit(s) made during the rebase into their "
@@ -254,20 +249,19 @@ class _Rebase:
             self.save(git=args[0], begun=True)
             result = git(tree, *_REBASE, *args, env=_GIT_REBASE_ENV, check=False)
             self.save(git=None)
-            if not rebasing() and result.returncode == 0:
-                continue
-            if rebasing() and (result.returncode == 0 or self.unmerged()
-                                   or self.in_the_way()):
+            if rebasing() and (result.returncode == 0 or self.unmerged() or self.in_the_way()):
                 raise self.stop()  # a conflict, or a stop git made for the user
-            if not rebasing() or self.git_file("msgnum") == before:
+            if rebasing() and self.git_file("msgnum") != before:
+                # A new stop with nothing left unmerged: rerere resolved it all.
+                say(f"  {self.stopped_patch()}: reused the recorded resolution of the same "
+                    "conflict")
+            elif result.returncode != 0:
                 # git did not move (unstaged changes, a `git am` in progress): its own words.
                 output = (result.stdout + result.stderr).strip().splitlines()
                 raise StackError(
                     f"`git rebase {' '.join(args)}` stopped in {self.where}: " + " ".join(
                         [ln for ln in output if ln.startswith(("error:", "fatal:"))]
                         or output[-1:]) + f". Fix that there, {self.again}")
-            # git stopped at a new pick with nothing left unmerged: rerere resolved it all.
-            say(f"  {self.stopped_patch()}: reused the recorded resolution of the same conflict")
 
     def in_the_way(self) -> list[str] | None:
         """None, unless git stopped before its pick merged anything (the pick is both
@@ -456,7 +450,7 @@ class _Rebase:
                     applied_head=journal["head"], applied_digest=series_digest(read_series(layout)),
                     synced=apply.patches_snapshot(layout), exporting=None)
         # A patch whose files upstream changed between the releases was really merged.
-        changed = set(self.listed("diff", "--name-only", "-z", self.progress["old_base"], release))
+        changed = set(self.listed("diff", "--name-only", "-z", f"{release}^", release))
         review = [apply.patch_name(self.subject(c)) for c in commits_since(tree, release)
                   if changed.intersection(self.listed("diff-tree", "--no-commit-id",
                                                       "--name-only", "-r", "-z", c))]
