@@ -176,9 +176,9 @@ class _Rebase:
 
     def __init__(self, layout: Layout, progress: dict):
         self.layout, self.tree, self.progress = layout, layout.tree, progress
-        self.where, version = rel(layout.tree, layout), progress["version"]
-        self.branch = f"rebase-{version}"
-        self.again = f"then run `make rebase VLLM_VERSION={version}` again"
+        self.where, self.version = rel(layout.tree, layout), progress["version"]
+        self.branch = f"rebase-{self.version}"
+        self.again = f"then run `make rebase VLLM_VERSION={self.version}` again"
 
     def save(self, **changes) -> None:
         self.progress.update(changes)
@@ -187,11 +187,13 @@ class _Rebase:
     def rebasing(self) -> bool:
         return (self.tree / _REBASE_DIR).is_dir()
 
-    def git_file(self, name: str) -> str:  # of git's rebase state ("msgnum": lines done)
+    def git_file(self, name: str) -> str:
+        """A file of git's rebase state ("msgnum": the todo lines done), or ""."""
         path = self.tree / _REBASE_DIR / name
         return path.read_text().strip() if path.exists() else ""
 
-    def listed(self, *args: str, **kwargs) -> list[str]:  # what a `git ... -z` lists
+    def listed(self, *args: str, **kwargs) -> list[str]:
+        """The NUL-ended entries a `git ... -z` prints."""
         return git(self.tree, *args, **kwargs).stdout.split("\0")[:-1]
 
     def subject(self, rev: str) -> str:
@@ -216,10 +218,10 @@ class _Rebase:
                              check=False).stdout.strip() or "a detached HEAD"
         if self.progress.get("begun") and on != self.branch:
             fix = "rebase --abort" if rebasing else f"checkout {self.branch}"
-            raise StackError(
-                f"{self.where} is {'rebasing' if rebasing else 'on'} {on}, not on branch "
-                f"{self.branch} where the rebase to vLLM {self.progress['version']} is: "
-                f"`git -C {self.where} {fix}`, {self.again} (or `make rebase-abandon`)")
+            raise StackError(f"{self.where} is {'rebasing' if rebasing else 'on'} {on}, not on "
+                             f"branch {self.branch} where the rebase to vLLM {self.version} is: "
+                             f"`git -C {self.where} {fix}`, {self.again} (or `make "
+                             "rebase-abandon`)")
 
     def drive(self) -> None:
         """Run git's rebase until it is done or stops for the user: start it, go on
@@ -299,15 +301,15 @@ class _Rebase:
     def stop(self) -> StackError:
         """Record where git stopped (its pick, and HEAD: a commit made during the stop
         is told from it) and say what to do next."""
-        where, version = self.where, self.progress["version"]
+        where, version = self.where, self.version
         self.save(stop={"pick": self.stopped_pick(), "head": head(self.tree)})
         end, patch = self.git_file("end"), self.stopped_patch()
         name = (f"[{self.git_file('msgnum')}/{end}] " if end else "") + patch
         skip = f"`git -C {where} rebase --skip`"
         conflicted = self.unmerged()
-        deleted = [p for p in conflicted if git(self.tree, "cat-file", "-e",
-                                                f"{self.progress['release']}:{p}",
-                                                check=False).returncode != 0]
+        release = self.progress["release"]
+        deleted = [p for p in conflicted
+                   if git(self.tree, "cat-file", "-e", f"{release}:{p}", check=False).returncode]
         if in_the_way := self.in_the_way():
             what = (f"{name}: untracked {', '.join(in_the_way)} in {where} stand where the "
                     f"patch writes, so git applied nothing of it. Move them out of {where} "
@@ -330,11 +332,10 @@ class _Rebase:
             "rebase-abandon` (resolutions are recorded, a new `make rebase` reuses them)")
 
     def recover_killed_git(self) -> None:
-        """The last run was killed inside its git (the state's mark says which):
-        that git's lock files are stale, as the project lock says no git of ours
-        runs now. What it did is undone back to branch rebase-<v> (a resolution a
-        killed `--continue` had not committed is kept as a branch), and rerere
-        replays what was recorded before the kill."""
+        """The last run was killed inside its git (the state's mark says which): its
+        locks are stale (the project lock says no git of ours runs), what it did is
+        undone back to branch rebase-<v> (a resolution a killed `--continue` had
+        not committed kept as a branch), and rerere replays what was recorded."""
         removed = remove_stale_git_locks(self.tree)
         kept = self.go_back(self.branch, keep=self.progress["git"] == "--continue")
         self.save(git=None)
@@ -391,11 +392,11 @@ class _Rebase:
         if tip == self.progress.get("release") or git(
                 tree, "merge-base", "--is-ancestor", tip, BRANCH, check=False).returncode == 0:
             return None  # nothing was done on the new release
-        name, n = f"abandoned-rebase-{self.progress['version']}", 1
+        name, n = f"abandoned-rebase-{self.version}", 1
         while git(tree, "rev-parse", "-q", "--verify", f"refs/heads/{name}",
                   check=False).returncode == 0:
             n += 1
-            name = f"abandoned-rebase-{self.progress['version']}-{n}"
+            name = f"abandoned-rebase-{self.version}-{n}"
         git(tree, "branch", name, tip)
         return name
 
