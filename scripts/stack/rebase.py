@@ -127,7 +127,7 @@ def _start(layout: Layout, version: str) -> dict:
     release = import_release(layout, new, ensure_artifact(layout, new.project, new.sdist),
                              parent=old_base)
     new = dataclasses.replace(new, commit=release_commit_id(tree, release) or "unknown")
-    progress = {"version": version, "pin": dataclasses.asdict(new), "release": release,
+    progress: dict = {"version": version, "pin": dataclasses.asdict(new), "release": release,
                 "old_branch": f"{BRANCH}-{old.version}", "project": _project_digests(layout)}
     # Refs and settings only (git's rebase checks the branch out): done again after a kill.
     git(tree, "branch", "-f", progress["old_branch"], BRANCH)
@@ -287,7 +287,7 @@ class _Rebase:
                 f"git applied nothing of {self.stopped_patch()}, so what is staged in {where} "
                 f"would be committed as that patch: unstage it (`git -C {where} restore "
                 f"--staged .`), move files of yours out of {where}, {self.again}")
-        stop, pick = self.progress.get("stop") or {}, self.stopped_pick()
+        stop, pick = self.progress.get("stop", {}), self.stopped_pick()
         if pick and stop.get("pick") == pick and stop["head"] != head(tree):
             made = git(tree, "log", "--format=%s", f"{stop['head']}..HEAD").stdout.splitlines()
             if self.subject(pick) not in made:
@@ -345,11 +345,10 @@ class _Rebase:
             + f": going on from branch {self.branch}")
 
     def go_back(self, target: str, keep: bool, mark: str | None = None) -> str | None:
-        """Give git's rebase up and check `target` out by force. The untracked files
-        left are removed where they hold what git wrote (a blob of HEAD or of the
-        release at their path); any other is the user's, and a forced checkout would
-        overwrite it where `target` has a file: refused first. With `keep`, what the
-        rebase did is kept as a branch: its name is returned."""
+        """Give git's rebase up and check `target` out by force, removing the untracked
+        files that hold what git wrote (HEAD's or the release's blob at their path).
+        Any other is the user's: refused where `target` has a file (the checkout would
+        overwrite it). With `keep`, what the rebase did is kept as a branch, named."""
         tree, release = self.tree, self.progress.get("release")
         revs = [head(tree)] + ([release] if isinstance(release, str) else [])
         entries = [e.split("\t", 1) for r in revs for e in self.listed("ls-tree", "-r", "-z", r)]
