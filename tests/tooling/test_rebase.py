@@ -535,3 +535,19 @@ def test_a_kill_at_any_file_step_of_a_rebase_is_recovered(stacked, upstream, tmp
     else:
         raise AssertionError("the rebase never ran to its end")
     assert n > 5
+
+
+def test_a_write_that_fails_in_the_finish_is_completed_by_the_next_run(stacked, upstream):
+    """The finish writes pin.toml, patches/ and vllm_overlay/ after its journal:
+    a write that fails there (a full disk) leaves the rebase in progress, other
+    commands refused, and the same command completes it."""
+    upstream(FOO_V2_MERGEABLE)
+    failed = stacked.run("rebase", V2, fault="ENOSPC open 2 in k3-tmp")  # the first patch
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+    assert "finishing" in stacked.state()["rebase"]
+    assert stacked.run("apply").returncode == 1
+    result = stacked.ok("rebase", V2)
+    assert f"rebased onto vLLM {V2}; pin.toml, patches/" in result.stdout
+    assert stacked.series() == [PATCH_1, PATCH_2]
+    assert " def forward(x, scale=1):" in (stacked.patches / PATCH_1).read_text()
+    assert "check OK: 2 patch(es)" in stacked.ok("check").stdout
