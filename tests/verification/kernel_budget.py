@@ -26,7 +26,8 @@ vLLM IR ops such as RMSNorm to their ``native`` impl, and compiles
 ``SiluAndMul`` on its own), ``eager`` is ``--enforce-eager`` (custom ops on,
 IR ops on vLLM's C++ kernels). The drafter itself is not compiled in either
 mode. It is built and run as DSpark does: where the tree has them (the
-stack's ``[Perf][Spec Decode]`` patch), with ``draft_compilation_config`` and
+stack's ``[Perf][Spec Decode]`` patch) and the drafter opts in (the ROCm one
+does, the NVIDIA module does not), with ``draft_compilation_config`` and
 under ``draft_ir_op_priority`` (``vllm/v1/worker/gpu/spec_decode/dspark/``),
 which give the draft the eager kernels in both modes; 0.34.0 has neither.
 
