@@ -1,7 +1,8 @@
 """`make bench`: how long the everyday commands take, and how big the outputs are.
 
 The figures are printed next to their goals (a second `make apply` under 10 s,
-`make check` under 60 s, `make export` under 30 s), never asserted: timings
+`make check` under 60 s, `make export` under 30 s; `make rebase`'s code smaller than
+before its redesign), never asserted: timings
 depend on the machine and its load, so a timed test would flake. Every command
 runs as a user runs it (`python3 -m scripts <command>`) in a scratch copy of
 the project that shares the download cache, so build/vllm and the real project are never touched.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.common import Layout, StackError, say
+from scripts.perf.code_size import rebase_code_row
 from scripts.stack.fetch import ensure_artifact
 from scripts.stack.pin import load_pin
 from scripts.stack.series import read_series
@@ -79,6 +81,7 @@ def bench(layout: Layout) -> None:
     say("")
     for name, value in sizes:
         say(f"  {name:<38}{value}")
+    say(rebase_code_row())
     say("")
     for line in recorded_test_runs(layout):
         say(line)

@@ -1,10 +1,9 @@
 """`make rebase VLLM_VERSION=x.y.z`: move the stack onto another vLLM release.
 
-Branch `rebase-<new>`, started at `stack`, is moved by `git rebase --onto` (with
-rerere) onto the new release, committed in build/vllm as a child of the old one.
-The state file's `rebase` entry holds what git cannot (the new pin, the release
-commit, the project's files' digests, which git of ours runs). pin.toml, patches/
-and vllm_overlay/ change once git is done, from a journal a killed run leaves.
+`git rebase --onto` (with rerere) moves branch `rebase-<new>` onto the new release,
+committed in build/vllm as a child of the old one. The state file's `rebase` entry
+holds only what git cannot (the new pin, the project's files' digests, which git of
+ours runs); pin.toml, patches/ and vllm_overlay/ are written once git is done.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from scripts.stack.gitrepo import (
     commits_since,
     dirty_files,
     git,
+    has_merges,
     head,
     import_release,
     is_stack_repo,
@@ -33,7 +33,8 @@ from scripts.stack.gitrepo import (
     write_state,
 )
 from scripts.stack.pin import Artifact, Pin, check_version, load_pin, render_pin
-from scripts.stack.series import read_series, series_digest, series_names, series_text
+from scripts.stack.series import (read_series, series_digest, series_names, series_text,
+                                  touched_paths)
 
 # A new release's files may be at most this many times the size of the pinned
 # ones: their size comes from the index, which must not be able to fill the disk.
@@ -69,9 +70,8 @@ def rebase(layout: Layout, version: str) -> None:
 
 
 def abandon(layout: Layout) -> None:
-    """`make rebase-abandon`: back to branch `stack`, losing nothing. What the
-    rebase did is kept as branch `abandoned-rebase-<version>` (a begun resolution
-    as its last commit); recorded resolutions stay, for the next rebase."""
+    """`make rebase-abandon`: back to branch `stack`. The rebase's commits (and a begun
+    resolution) are kept as branch `abandoned-rebase-<version>`, its resolutions by rerere."""
     tree, where = layout.tree, rel(layout.tree, layout)
     if (version := rebase_in_progress(tree)) is None:
         raise StackError(f"no rebase is in progress in {where}: nothing to abandon")
@@ -87,9 +87,8 @@ def abandon(layout: Layout) -> None:
     kept = run.go_back(BRANCH, keep=True, mark="abandon")
     git(tree, "branch", "-q", "-D", run.branch, check=False)  # if there is one
     write_state(tree, rebase=None, status="applied")
-    say(f"abandoned the rebase to vLLM {version}: {where} is back on branch {BRANCH} "
-        f"(pin.toml and patches/ unchanged)"
-        + (f"; what the rebase did is kept as branch {kept}" if kept else ""))
+    say(f"abandoned the rebase to vLLM {version}: {where} is back on branch {BRANCH}, pin.toml "
+        "and patches/ unchanged" + (f"; its work is kept as branch {kept}" if kept else ""))
 
 
 def _progress(layout: Layout) -> dict | None:
@@ -121,8 +120,8 @@ def _start(layout: Layout, version: str) -> dict:
         raise StackError(
             f"branch {branch} in {where} holds {len(commits)} commit(s) of an earlier rebase "
             f"that no other branch has, and a new rebase would reset it: rename it (`git -C "
-            f"{where} branch -m {branch} <name>`) or delete it (`git -C {where} branch -D "
-            f"{branch}`), then run `make rebase VLLM_VERSION={version}` again")
+            f"{where} branch -m {branch} <name>`), then run `make rebase VLLM_VERSION={version}` "
+            "again")
     new = pin_for(old, version)
     release = import_release(layout, new, ensure_artifact(layout, new.project, new.sdist),
                              parent=old_base)
@@ -163,8 +162,7 @@ def pin_for(old: Pin, version: str) -> Pin:
 
 
 def _project_digests(layout: Layout) -> dict[str, str]:
-    """sha256 of pin.toml and of every file under patches/ and vllm_overlay/ (a
-    marker for each of them that is no file: a link, a folder)."""
+    """sha256 of pin.toml and of each file under patches/ and vllm_overlay/."""
     tops = [layout.root / name for name in _PROJECT_FILES]
     paths = tops + [Path(d) / f for top in tops for d, _, files in os.walk(top) for f in files]
     return {p.relative_to(layout.root).as_posix(): digest for p in paths
@@ -219,20 +217,17 @@ class _Rebase:
         if self.progress.get("begun") and on != self.branch:
             fix = "rebase --abort" if rebasing else f"checkout {self.branch}"
             raise StackError(f"{self.where} is {'rebasing' if rebasing else 'on'} {on}, not on "
-                             f"branch {self.branch} where the rebase to vLLM {self.version} is: "
-                             f"`git -C {self.where} {fix}`, {self.again} (or `make "
-                             "rebase-abandon`)")
+                             f"branch {self.branch} where the rebase is: `git -C {self.where} "
+                             f"{fix}`, {self.again} (or `make rebase-abandon`)")
 
     def drive(self) -> None:
-        """Run git's rebase until it is done or stops for the user: start it, go on
-        after a stop (the user ran `make rebase` again), and fold `fixup!` commits
-        made during it. A stop that `rerere` resolved in full is gone on from."""
+        """Run git's rebase until it is done or stops for the user: start it, go on from
+        a stop, fold `fixup!` commits made during it. A stop rerere resolved goes on."""
         tree, release, rebasing = self.tree, self.progress["release"], self.rebasing
         while True:
-            before = None
+            before = self.git_file("msgnum")  # "" before git's rebase starts
             if rebasing():
                 self.refuse_unfinished_stop()
-                before = self.git_file("msgnum")
                 git(tree, "rerere", check=False)  # a kill inside git keeps the resolution
                 args = ["--continue"]
             elif git(tree, "merge-base", "--is-ancestor", release, "HEAD",
@@ -242,8 +237,7 @@ class _Rebase:
                         self.branch]
             elif fixups := [s for s in map(self.subject, commits_since(tree, release))
                             if s.startswith(("fixup! ", "squash! ", "amend! "))]:
-                say(f"  folding {len(fixups)} commit(s) made during the rebase into their "
-                    f"patches: {', '.join(fixups)}")
+                say(f"  folding into their patches: {', '.join(fixups)}")
                 args = ["-i", "--autosquash", "--committer-date-is-author-date", release]
             else:
                 return
@@ -255,8 +249,7 @@ class _Rebase:
                 raise self.stop()  # a conflict, or a stop git made for the user
             if rebasing() and self.git_file("msgnum") != before:
                 # A new stop with nothing left unmerged: rerere resolved it all.
-                say(f"  {self.stopped_patch()}: reused the recorded resolution of the same "
-                    "conflict")
+                say(f"  {self.stopped_patch()}: reused the recorded resolution of the conflict")
             elif result.returncode != 0:
                 # git did not move (unstaged changes, a `git am` in progress): its own words.
                 output = (result.stdout + result.stderr).strip().splitlines()
@@ -266,9 +259,8 @@ class _Rebase:
                         or output[-1:]) + f". Fix that there, {self.again}")
 
     def in_the_way(self) -> list[str] | None:
-        """None, unless git stopped before its pick merged anything (the pick is both
-        the last line done and the first still to do: an untracked file in the way);
-        then the untracked files where the pick writes."""
+        """When git stopped before its pick merged anything (the pick is both the last line
+        done and the next to do), the untracked files where the pick writes; else None."""
         done, todo = ([ln.split()[:2] for ln in self.git_file(name).splitlines()
                        if not ln.startswith("#")] for name in ("done", "git-rebase-todo"))
         if not (done and todo and done[-1] == todo[0] and (pick := self.stopped_pick())):
@@ -278,8 +270,7 @@ class _Rebase:
                            env={"GIT_LITERAL_PATHSPECS": "1"}) if paths else []
 
     def refuse_unfinished_stop(self) -> None:
-        """Before going on from a stop: what is left, or was done by hand, that
-        `git rebase --continue` would turn into a wrong patch."""
+        """Refuse what `git rebase --continue` would turn into a wrong patch."""
         tree, where = self.tree, self.where
         if self.in_the_way() is not None and git(tree, "diff", "--cached", "--quiet",
                                                  check=False).returncode != 0:
@@ -299,15 +290,13 @@ class _Rebase:
                     "patch is applied")
 
     def stop(self) -> StackError:
-        """Record where git stopped (its pick, and HEAD: a commit made during the stop
-        is told from it) and say what to do next."""
-        where, version = self.where, self.version
+        """Record where git stopped (its pick, and HEAD to tell a commit made during the
+        stop) and say what to do next."""
+        where, version, release = self.where, self.version, self.progress["release"]
         self.save(stop={"pick": self.stopped_pick(), "head": head(self.tree)})
         end, patch = self.git_file("end"), self.stopped_patch()
         name = (f"[{self.git_file('msgnum')}/{end}] " if end else "") + patch
-        skip = f"`git -C {where} rebase --skip`"
-        conflicted = self.unmerged()
-        release = self.progress["release"]
+        skip, conflicted = f"`git -C {where} rebase --skip`", self.unmerged()
         deleted = [p for p in conflicted
                    if git(self.tree, "cat-file", "-e", f"{release}:{p}", check=False).returncode]
         if in_the_way := self.in_the_way():
@@ -320,9 +309,8 @@ class _Rebase:
                     f"or re-home its change where the code went and `git -C {where} rm` the "
                     "file (resolving it as a conflict would bring the deleted file back)")
         elif conflicted:
-            what = (f"{name} conflicts with vLLM {version} in: {', '.join(conflicted)}. "
-                    f"Resolve them in {where}, then `git -C {where} add <files>` (or drop "
-                    f"the patch: {skip})")
+            what = (f"{name} conflicts with vLLM {version} in: {', '.join(conflicted)}. Resolve "
+                    f"them, then `git -C {where} add <files>` (or drop the patch: {skip})")
         else:
             what = (f"git stopped at {name}: see `git -C {where} status`; if upstream has "
                     f"the patch, drop it ({skip})")
@@ -332,10 +320,9 @@ class _Rebase:
             "rebase-abandon` (resolutions are recorded, a new `make rebase` reuses them)")
 
     def recover_killed_git(self) -> None:
-        """The last run was killed inside its git (the state's mark says which): its
-        locks are stale (the project lock says no git of ours runs), what it did is
-        undone back to branch rebase-<v> (a resolution a killed `--continue` had
-        not committed kept as a branch), and rerere replays what was recorded."""
+        """The last run was killed inside its git (the state's mark says so; the project lock
+        says none runs now): remove its locks and go back to branch rebase-<v>, keeping what a
+        killed `--continue` had not committed; rerere replays what was recorded."""
         removed = remove_stale_git_locks(self.tree)
         kept = self.go_back(self.branch, keep=self.progress["git"] == "--continue")
         self.save(git=None)
@@ -383,9 +370,8 @@ class _Rebase:
         index.unlink()
         if work != git(tree, "rev-parse", f"{tip}^{{tree}}").stdout.strip():
             # The tool's identity as author too: a fresh machine may have none.
-            identity = {**TOOL_IDENTITY, "GIT_AUTHOR_NAME": TOOL_IDENTITY["GIT_COMMITTER_NAME"],
-                        "GIT_AUTHOR_EMAIL": TOOL_IDENTITY["GIT_COMMITTER_EMAIL"]}
-            tip = git(tree, "commit-tree", work, "-p", tip, "-F", "-", env=identity,
+            author = {k.replace("COMMITTER", "AUTHOR"): v for k, v in TOOL_IDENTITY.items()}
+            tip = git(tree, "commit-tree", work, "-p", tip, "-F", "-", env=author,
                       input=f"Unfinished resolution of {self.stopped_patch()} (rebase "
                       "abandoned)\n").stdout.strip()
         if tip == self.progress.get("release") or git(
@@ -407,9 +393,8 @@ class _Rebase:
             raise StackError(f"{where} has uncommitted changes ({', '.join(dirty[:5])}): "
                              f"commit them (`git -C {where} commit --fixup=<patch's commit>` "
                              f"folds them into it) or stash them, {self.again}")
-        if git(tree, "rev-list", "--merges", f"{self.progress['release']}..HEAD").stdout.strip():
-            raise StackError(f"{where} has merge commits on {self.branch}; the stack "
-                             "must be linear")
+        if has_merges(tree, self.progress["release"]):
+            raise StackError(f"{where} has merge commits on {self.branch}; it must be linear")
         if edited := set(_project_digests(layout).items()) ^ set(self.progress["project"].items()):
             raise StackError(
                 "changed since `make rebase` began: " + ", ".join(sorted({p for p, _ in edited}))
@@ -418,8 +403,7 @@ class _Rebase:
         rendered = apply.rendered_stack(layout, self.progress["release"])  # refused here if at all
         old_names = set(series_names(layout))
         for name in sorted(dropped := old_names - rendered.keys()):
-            say(f"  dropped {name}: git's rebase left nothing of it (upstream has it, or it "
-                "was skipped)")
+            say(f"  dropped {name}: git's rebase left nothing of it (in upstream, or skipped)")
         notes = apply.notes_to_remove(layout, dropped, added=rendered.keys() - old_names)
         for note in notes:
             say(f"removed patches/{note}: its patch left the series (the project's git has it)")
@@ -428,9 +412,8 @@ class _Rebase:
         self.complete_finish()
 
     def complete_finish(self) -> None:
-        """Make the rebased head `stack` and write pin.toml, patches/ and vllm_overlay/
-        from it, as the journal says. Each step can be done again, each file is
-        replaced whole: a killed finish is completed by the next run."""
+        """Make the journal's head `stack` and write pin.toml, patches/ and vllm_overlay/ from
+        it. Each step can be done again and replaces files whole: the next run completes it."""
         layout, tree, journal = self.layout, self.tree, self.progress["finishing"]
         release = self.progress["release"]
         git(tree, "checkout", "-q", "-B", BRANCH, journal["head"])
@@ -451,9 +434,8 @@ class _Rebase:
                     synced=apply.patches_snapshot(layout), exporting=None)
         # A patch whose files upstream changed between the releases was really merged.
         changed = set(self.listed("diff", "--name-only", "-z", f"{release}^", release))
-        review = [apply.patch_name(self.subject(c)) for c in commits_since(tree, release)
-                  if changed.intersection(self.listed("diff-tree", "--no-commit-id",
-                                                      "--name-only", "-r", "-z", c))]
+        review = [name for name, patch in rendered.items()
+                  if changed.intersection(touched_paths(name, patch))]
         say(f"rebased onto vLLM {pin.version}; pin.toml, patches/ ({len(rendered)} patch(es)) "
             "and vllm_overlay/ updated"
             + (f"; upstream changed files these patches change, review them: {', '.join(review)}"

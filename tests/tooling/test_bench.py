@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from scripts.common import Layout
 from scripts.perf.bench import recorded_test_runs
+from scripts.perf.code_size import rebase_code_size
 from scripts.testing.testcache import ResultStore
 from tests.tooling.conftest import snapshot
 
@@ -15,7 +16,8 @@ def test_bench_prints_every_figure_and_leaves_the_project_alone(stacked):
                 "make apply, cold (unpack + git am)", "make apply, again",
                 "make patches, unchanged stack", "make export (PR folders)"):
         assert row in out
-    assert out.count("within goal") + out.count("OVER GOAL") == 4
+    assert out.count("within goal") + out.count("OVER GOAL") == 5
+    assert "make rebase code (lines / code lines)" in out
     assert "patches" in out and "2 files" in out
     # The fake project has no .venv: the venv's reports are skipped, not fatal.
     assert "kernel budget: skipped, .venv is missing" in out
@@ -47,3 +49,17 @@ def test_bench_prints_the_recorded_make_test_runs(tmp_path):
     assert rows[1].endswith("within goal (< 300 s with commands reused)")
     assert rows[2].endswith("OVER GOAL (< 300 s with commands reused)")
     assert "goal" not in rows[3]  # everything reused: not a run after a change
+
+
+def test_rebase_code_size_counts_what_rebase_needs_and_only_code(tmp_path):
+    """rebase.py whole, plus the helpers it reaches through other helpers; an
+    unused helper, blank lines, comments and docstrings are not code."""
+    (tmp_path / "rebase.py").write_text(
+        '"""Doc."""\nfrom scripts.stack.gitrepo import git\n\n\n'
+        "def rebase():\n    # why\n    return git()\n")
+    (tmp_path / "gitrepo.py").write_text(
+        'def git():\n    """Doc,\n    more."""\n    return head()\n\n\n'
+        "def head():\n    return 1\n\n\ndef unused():\n    return 2\n")
+    (tmp_path / "apply.py").write_text("def guard():\n    return git()\n")
+    # rebase.py: 7 lines, 3 of code; git(): 4 and 2; head(): 2 and 2.
+    assert rebase_code_size(tmp_path) == (13, 7)
