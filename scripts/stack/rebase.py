@@ -2,8 +2,9 @@
 
 `git rebase --onto` (with rerere) moves branch `rebase-<new>` onto the new release,
 committed in build/vllm as a child of the old one. The state file's `rebase` entry
-holds only what git cannot (the new pin, the project's files' digests, which git of
-ours runs); pin.toml, patches/ and vllm_overlay/ are written once git is done.
+holds only what git cannot (the new pin, the release commit, the project's files'
+digests, which git of ours runs); pin.toml, patches/ and vllm_overlay/ are written
+once git is done.
 """
 
 from __future__ import annotations
